@@ -1,0 +1,17 @@
+"""dtcp: exact, compile-native context-parallel (ring) attention for PyTorch."""
+
+from .api import ring_attention
+from .comm import STATS as comm_stats
+from .layouts import Contiguous, Layout, Striped, Zigzag, layout_from_spec
+
+__all__ = [
+    "ring_attention",
+    "Layout",
+    "Contiguous",
+    "Zigzag",
+    "Striped",
+    "layout_from_spec",
+    "comm_stats",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,46 @@
+"""Every private or version-dependent torch API dtcp touches lives here.
+
+Each entry names the torch versions it was checked on. When a new torch release breaks one,
+this is the only module to change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def group_from_name(name: str) -> "dist.ProcessGroup":
+    # c10d._resolve_process_group: checked on torch 2.11 (CUDA) and 2.13 (CPU).
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def name_of_group(pg: "dist.ProcessGroup") -> str:
+    # ProcessGroup.group_name: checked on torch 2.11 and 2.13.
+    return pg.group_name
+
+
+# ---- local attention kernels (aten ops, not public API) ----------------------------------
+# aten._scaled_dot_product_flash_attention_for_cpu / _backward:
+#   checked on torch 2.13 (CPU): returns (out, logsumexp (B, H, L)); causal is top-left aligned.
+cpu_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def cuda_flash_ops():
+    # aten._flash_attention_forward / _backward (BSHD layout, window_size_left/right kwargs):
+    #   checked on torch 2.11+cu130 (H200) and present in the 2.13 schema.
+    return torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default
+
+
+def cudnn_ops():
+    # aten._scaled_dot_product_cudnn_attention / _backward: logsumexp comes back (B, H, L, 1);
+    #   causal is top-left aligned. Checked on torch 2.11+cu130, cuDNN 9.19 (H200).
+    return (
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
+    )

@@ -1,0 +1,94 @@
+"""Public entry point: `dtcp.ring_attention`, a drop-in for F.scaled_dot_product_attention on
+context-parallel shards."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import ops
+from ._groups import GroupLike, group_name, group_size, resolve_group
+from .kernels import default_scale
+from .layouts import Layout, Zigzag, layout_from_spec
+
+_DEFAULT_LAYOUT = Zigzag()
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    layout: Union[Layout, str] = _DEFAULT_LAYOUT,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """Exact attention over a sequence sharded across a context-parallel group.
+
+    Each rank passes its own shard, in `layout` order. The result equals full single-device
+    attention over the whole sequence, restricted to this rank's tokens:
+    ``layout.unshard(out) == F.scaled_dot_product_attention(full_q, full_k, full_v, ...)``,
+    and so do the gradients of q, k and v.
+
+    Args:
+        q: (B, Hq, S_local, D) this rank's queries.
+        k, v: (B, Hkv, S_local, D) this rank's keys and values; Hkv divides Hq (GQA needs
+            ``enable_gqa=True``, as in SDPA). K/V travel with Hkv heads.
+        group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default group).
+        layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block)).
+        is_causal: causal attention over global token positions.
+        scale: softmax scale; default 1/sqrt(D).
+        backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash", "cudnn".
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        out (B, Hq, S_local, D), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
+        log, float32 (float64 for float64 inputs). lse is returned detached: it carries no gradient.
+    """
+    layout = layout_from_spec(layout)
+    _check_inputs(q, k, v, enable_gqa, scale)
+    pg = resolve_group(group)
+    layout.check(q.shape[2] * group_size(pg), group_size(pg))
+    if scale is None:
+        scale = default_scale(q.shape[-1])
+    out, lse = ops.ring_attention_forward(
+        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend
+    )
+    return (out, lse.detach()) if return_lse else out
+
+
+def _check_inputs(q, k, v, enable_gqa, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, S_local, D) as in SDPA; got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}. Cast them first.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch size differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k/v must hold the same local tokens: q has S_local={q.shape[2]}, k/v have {k.shape[2]}. "
+            "dtcp shards self-attention; every rank passes q, k, v of its own tokens."
+        )
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the key/value heads ({hkv})")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"q has {hq} heads and k/v have {hkv}: pass enable_gqa=True for grouped-query attention")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None; got {type(scale).__name__}")

@@ -1,0 +1,262 @@
+"""Local attention kernels behind one small interface.
+
+Every kernel computes one schedule `Task` on local tensors (SDPA layout, B H L D):
+
+    forward(q, k, v, lo, hi, scale)                   -> out (B, Hq, Lq, D), lse (B, Hq, Lq)
+    backward(dout, q, k, v, out, lse, lo, hi, scale)  -> dq (B, Hq, Lq, D), dk, dv (B, Hkv, Lk, D)
+
+`lo`/`hi` give the band mask (key j visible from query i iff lo <= j - i <= hi, None = unbounded).
+`lse` is the natural-log sum of exponentials, float32 (float64 for float64 inputs). In the
+backward, `out` and `lse` are the *merged* (global) values for these query rows, which makes the
+kernel's gradient exactly this block's share of the full gradient. K/V may have fewer heads than
+Q (GQA); dk/dv come back with the K/V head count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import lru_cache
+from typing import Iterable, Optional
+
+import torch
+
+from . import _compat
+from .schedule import Task
+
+log = logging.getLogger("dtcp")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Kernel:
+    name = "kernel"
+
+    def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task]) -> Optional[str]:
+        """None when this kernel can serve every task on these inputs, else why not."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, lo, hi, scale):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        raise NotImplementedError
+
+
+def _reject_unless_top_left_causal_or_full(tasks: Iterable[Task], name: str) -> Optional[str]:
+    for t in tasks:
+        if not (t.is_full or t.is_square_causal):
+            return f"{name} only takes full or square causal blocks, and the schedule has band ({t.lo}, {t.hi}) on a {t.q_len}x{t.k_len} block"
+    return None
+
+
+@lru_cache(maxsize=64)
+def _band_mask_cpu(lq: int, lk: int, lo: Optional[int], hi: Optional[int]) -> torch.Tensor:
+    d = torch.arange(lk)[None, :] - torch.arange(lq)[:, None]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if lo is not None:
+        keep &= d >= lo
+    if hi is not None:
+        keep &= d <= hi
+    return keep
+
+
+def band_mask(lq, lk, lo, hi, device) -> Optional[torch.Tensor]:
+    """Boolean (lq, lk) mask, True = visible; None for full attention."""
+    if lo is None and hi is None:
+        return None
+    return _band_mask_cpu(lq, lk, lo, hi).to(device)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # SDPA's enable_gqa convention: query head h uses key/value head h // groups.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, l, d = x.shape
+    return x.view(b, h // groups, groups, l, d).sum(2)
+
+
+class MathKernel(Kernel):
+    """Pure torch, any device and dtype, any band: the reference. Computes in float32/float64."""
+
+    name = "math"
+
+    def reject_reason(self, q, k, tasks):
+        if not q.is_floating_point():
+            return f"math needs floating-point inputs; got {q.dtype}"
+        return None
+
+    def _scores(self, q, k, lo, hi, scale):
+        acc = acc_dtype(q.dtype)
+        g = q.shape[1] // k.shape[1]
+        s = torch.matmul(q.to(acc), _repeat_kv(k, g).to(acc).transpose(-1, -2)) * scale
+        mask = band_mask(q.shape[2], k.shape[2], lo, hi, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return s, g
+
+    def forward(self, q, k, v, lo, hi, scale):
+        s, g = self._scores(q, k, lo, hi, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        out = torch.matmul(p, _repeat_kv(v, g).to(s.dtype))
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        s, g = self._scores(q, k, lo, hi, scale)
+        acc = s.dtype
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+        dout = dout.to(acc)
+        vv = _repeat_kv(v, g).to(acc)
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+        dp = torch.matmul(dout, vv.transpose(-1, -2))
+        delta = (dout * out.to(acc)).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq = torch.matmul(ds, _repeat_kv(k, g).to(acc)) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+        return dq, _sum_groups(dk, g), _sum_groups(dv, g)
+
+
+class CpuFlashKernel(Kernel):
+    """aten._scaled_dot_product_flash_attention_for_cpu and its backward (top-left causal)."""
+
+    name = "cpu_flash"
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    def reject_reason(self, q, k, tasks):
+        if q.device.type != "cpu":
+            return f"cpu_flash runs on CPU tensors; got {q.device.type}"
+        if q.dtype not in self.dtypes:
+            return f"cpu_flash takes {self.dtypes}; got {q.dtype}"
+        return _reject_unless_top_left_causal_or_full(tasks, "cpu_flash")
+
+    def forward(self, q, k, v, lo, hi, scale):
+        out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, hi is not None, scale=scale)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        lse = lse.to(acc_dtype(q.dtype)).contiguous()
+        return _compat.cpu_flash_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse, 0.0, hi is not None, scale=scale
+        )
+
+
+def _flash_window(t_q: int, t_k: int, lo, hi) -> tuple[int, int]:
+    """Band (lo, hi) -> flash's bottom-right aligned (window_left, window_right); -1 = unbounded."""
+    shift = t_k - t_q
+    left = -1 if lo is None else shift - lo
+    right = -1 if hi is None else hi - shift
+    return left, right
+
+
+class CudaFlashKernel(Kernel):
+    """PyTorch's bundled FlashAttention-2 (aten._flash_attention_forward/backward): fp16/bf16,
+    head dim <= 256, GQA and sliding windows native (bottom-right aligned)."""
+
+    name = "flash"
+
+    def reject_reason(self, q, k, tasks):
+        if q.device.type != "cuda":
+            return f"flash needs CUDA tensors; got {q.device.type}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"flash takes float16/bfloat16; got {q.dtype}"
+        if q.shape[-1] > 256 or q.shape[-1] % 8:
+            return f"flash needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
+        for t in tasks:
+            left, right = _flash_window(t.q_len, t.k_len, t.lo, t.hi)
+            if (t.lo is not None and left < 0) or (t.hi is not None and right < 0):
+                return f"flash cannot express band ({t.lo}, {t.hi}) on a {t.q_len}x{t.k_len} block"
+        return None
+
+    def forward(self, q, k, v, lo, hi, scale):
+        fwd, _ = _compat.cuda_flash_ops()
+        lq, lk = q.shape[2], k.shape[2]
+        left, right = _flash_window(lq, lk, lo, hi)
+        causal = lo is None and right == 0
+        out, lse, *_ = fwd(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, lq, lk, 0.0, causal, False,
+            scale=scale, window_size_left=None if causal else left, window_size_right=None if causal else right,
+        )
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        _, bwd = _compat.cuda_flash_ops()
+        lq, lk = q.shape[2], k.shape[2]
+        left, right = _flash_window(lq, lk, lo, hi)
+        causal = lo is None and right == 0
+        no_rng = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
+        dq, dk, dv = bwd(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+            lse.float().contiguous(), None, None, lq, lk, 0.0, causal, no_rng, no_rng,
+            scale=scale, window_size_left=None if causal else left, window_size_right=None if causal else right,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+class CudnnKernel(Kernel):
+    """cuDNN SDPA (aten._scaled_dot_product_cudnn_attention/backward): fp16/bf16, top-left causal.
+    The fastest kernel on Hopper for full and square-causal blocks."""
+
+    name = "cudnn"
+
+    def reject_reason(self, q, k, tasks):
+        if q.device.type != "cuda":
+            return f"cudnn needs CUDA tensors; got {q.device.type}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"cudnn takes float16/bfloat16; got {q.dtype}"
+        if q.shape[-1] > 128 or q.shape[-1] % 8:
+            return f"cudnn needs head_dim <= 128 and a multiple of 8; got {q.shape[-1]}"
+        return _reject_unless_top_left_causal_or_full(tasks, "cudnn")
+
+    def forward(self, q, k, v, lo, hi, scale):
+        fwd, _ = _compat.cudnn_ops()
+        out, lse, *_ = fwd(q, k, v, None, True, 0.0, hi is not None, False, scale=scale)
+        return out, lse.view(lse.shape[0], lse.shape[1], lse.shape[2])
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        _, bwd = _compat.cudnn_ops()
+        lq, lk = q.shape[2], k.shape[2]
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # unused without dropout
+        # cuDNN wants grad_out laid out like out.
+        out = out.contiguous()
+        dout = dout.contiguous()
+        return bwd(
+            dout, q, k, v, out, lse.float().contiguous().unsqueeze(-1), no_rng, no_rng, None, None, None,
+            lq, lk, 0.0, hi is not None, scale=scale,
+        )
+
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel())}
+
+# Fastest first (H200 measurements in shared FACTS: cuDNN ~2x PyTorch flash on Hopper).
+AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "math")}
+
+
+def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task]) -> Kernel:
+    """The kernel named by `backend`, or for "auto" the fastest that serves every task."""
+    if backend == "auto":
+        reasons = []
+        for name in AUTO_ORDER.get(q.device.type, ("math",)):
+            why = KERNELS[name].reject_reason(q, k, tasks)
+            if why is None:
+                log.debug("dtcp: backend='auto' picked %r on %s %s", name, q.device.type, q.dtype)
+                return KERNELS[name]
+            reasons.append(why)
+        raise ValueError("backend='auto' found no kernel for this request: " + "; ".join(reasons))
+    if backend not in KERNELS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(KERNELS)}; got {backend!r}")
+    why = KERNELS[backend].reject_reason(q, k, tasks)
+    if why is not None:
+        raise ValueError(f"backend={backend!r} cannot serve this request: {why}")
+    return KERNELS[backend]
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

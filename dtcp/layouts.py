@@ -1,0 +1,188 @@
+"""Sequence layouts: which global tokens each rank of a context-parallel group holds.
+
+A layout is pure index math over (seq_len, world_size, rank). Every layout here keeps the
+tokens of one rank in increasing global order, so "key j is not after query i" in global
+positions is the same as "j <= i" in local indices when both come from the same rank. The
+schedule relies on that.
+
+Pictures for S = 16 tokens, N = 2 ranks (digits are global token positions):
+
+    Contiguous()        rank 0: 0 1 2 3 4 5 6 7          rank 1: 8 9 10 11 12 13 14 15
+    Zigzag()            rank 0: 0 1 2 3 | 12 13 14 15    rank 1: 4 5 6 7 | 8 9 10 11
+    Striped(block=1)    rank 0: 0 2 4 6 8 10 12 14       rank 1: 1 3 5 7 9 11 13 15
+    Striped(block=2)    rank 0: 0 1 4 5 8 9 12 13        rank 1: 2 3 6 7 10 11 14 15
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from ._groups import GroupLike, group_rank, group_size, resolve_group
+
+
+class Layout:
+    """Base class. Subclasses define `runs`, the global token runs a rank holds, in local order."""
+
+    #: short name used in specs, configs and error messages
+    name: str = "layout"
+
+    # ---- pure index math -------------------------------------------------------------
+    def multiple(self, world_size: int) -> int:
+        """The sequence length must be a multiple of this."""
+        raise NotImplementedError
+
+    def runs(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+        """Half-open global ranges [start, end) held by `rank`, in local order."""
+        raise NotImplementedError
+
+    def check(self, seq_len: int, world_size: int) -> None:
+        m = self.multiple(world_size)
+        if seq_len <= 0 or seq_len % m != 0:
+            raise ValueError(
+                f"{self!r} over {world_size} ranks needs a sequence length that is a positive "
+                f"multiple of {m}; got {seq_len}. Pad the sequence to a multiple of {m}."
+            )
+
+    def local_len(self, seq_len: int, world_size: int) -> int:
+        self.check(seq_len, world_size)
+        return seq_len // world_size
+
+    def global_positions(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+        """1-D int64 tensor: the global position of each local token of `rank`."""
+        self.check(seq_len, world_size)
+        return _positions_cached(self, seq_len, world_size, rank).clone()
+
+    def permutation(self, seq_len: int, world_size: int) -> torch.Tensor:
+        """Global positions of all ranks' tokens, rank 0's first: gathering shards gives x[perm]."""
+        return torch.cat([self.global_positions(seq_len, world_size, r) for r in range(world_size)])
+
+    # ---- tensors -----------------------------------------------------------------------
+    def positions(self, seq_len: int, group: GroupLike = None) -> torch.Tensor:
+        """Global positions of this rank's tokens, in local order (feed these to RoPE)."""
+        pg = resolve_group(group)
+        return self.global_positions(seq_len, group_size(pg), group_rank(pg))
+
+    def shard(self, x: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
+        """This rank's piece of the full tensor `x` along `dim`."""
+        pg = resolve_group(group)
+        n, r = group_size(pg), group_rank(pg)
+        dim = dim % x.dim()
+        idx = self.global_positions(x.shape[dim], n, r)
+        runs = self.runs(x.shape[dim], n, r)
+        if len(runs) == 1:
+            return x.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        return x.index_select(dim, idx.to(x.device))
+
+    def unshard(self, x_local: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
+        """The full tensor in original token order (all-gather; gradients flow back to shards)."""
+        pg = resolve_group(group)
+        n = group_size(pg)
+        dim = dim % x_local.dim()
+        gathered = _AllGatherCat.apply(x_local, pg, dim)  # rank-major order
+        inv = torch.argsort(self.permutation(x_local.shape[dim] * n, n))
+        return gathered.index_select(dim, inv.to(x_local.device))
+
+    # ---- identity ------------------------------------------------------------------------
+    def spec(self) -> str:
+        """A string that names this layout exactly (travels through custom ops and configs)."""
+        return self.name
+
+
+@lru_cache(maxsize=256)
+def _positions_cached(layout: Layout, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+    runs = layout.runs(seq_len, world_size, rank)
+    return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
+
+
+@dataclass(frozen=True)
+class Contiguous(Layout):
+    """Rank r holds tokens [r*S/N, (r+1)*S/N). The natural layout for sliding windows."""
+
+    name = "contiguous"
+
+    def multiple(self, world_size: int) -> int:
+        return world_size
+
+    def runs(self, seq_len, world_size, rank):
+        m = seq_len // world_size
+        return [(rank * m, (rank + 1) * m)]
+
+
+@dataclass(frozen=True)
+class Zigzag(Layout):
+    """2N equal chunks; rank r holds chunk r then chunk 2N-1-r. Balances causal work exactly."""
+
+    name = "zigzag"
+
+    def multiple(self, world_size: int) -> int:
+        return 2 * world_size
+
+    def runs(self, seq_len, world_size, rank):
+        c = seq_len // (2 * world_size)
+        hi = 2 * world_size - 1 - rank
+        return [(rank * c, (rank + 1) * c), (hi * c, (hi + 1) * c)]
+
+
+@dataclass(frozen=True)
+class Striped(Layout):
+    """Blocks of `block` tokens dealt round-robin: block i goes to rank i mod N."""
+
+    block: int = 1
+    name = "striped"
+
+    def __post_init__(self):
+        if not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"Striped(block=...) must be a positive int; got {self.block!r}")
+
+    def multiple(self, world_size: int) -> int:
+        return world_size * self.block
+
+    def runs(self, seq_len, world_size, rank):
+        b = self.block
+        return [(i * b, (i + 1) * b) for i in range(rank, seq_len // b, world_size)]
+
+    def spec(self) -> str:
+        return f"striped:{self.block}"
+
+
+def layout_from_spec(spec: "str | Layout") -> Layout:
+    """Inverse of `Layout.spec()`; also accepts a Layout and returns it."""
+    if isinstance(spec, Layout):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"layout must be a dtcp Layout or its name; got {type(spec).__name__}")
+    name, _, arg = spec.partition(":")
+    name = name.strip().lower()
+    if name == "contiguous":
+        return Contiguous()
+    if name == "zigzag":
+        return Zigzag()
+    if name == "striped":
+        return Striped(int(arg) if arg else 1)
+    raise ValueError(f"unknown layout {spec!r}; use 'contiguous', 'zigzag' or 'striped[:block]'")
+
+
+class _AllGatherCat(torch.autograd.Function):
+    """Concatenate every rank's tensor along `dim` (rank-major). Backward: sum the incoming
+    gradients over ranks (all-reduce) and keep this rank's slice. Works on gloo and NCCL."""
+
+    @staticmethod
+    def forward(ctx, x, pg, dim):
+        ctx.pg, ctx.dim = pg, dim
+        n = group_size(pg)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=pg)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()  # gloo needs contiguous buffers
+        dist.all_reduce(grad, group=ctx.pg)
+        n, r = group_size(ctx.pg), group_rank(ctx.pg)
+        m = grad.shape[ctx.dim] // n
+        return grad.narrow(ctx.dim, r * m, m).contiguous(), None, None

@@ -1,0 +1,97 @@
+"""torch.library.opcheck on dtcp's custom ops, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from dtcp import _groups
+
+
+def opcheck_ops(is_causal):
+    torch.manual_seed(dist.get_rank())
+    q = torch.randn(2, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    name = _groups.group_name(None)
+    args = (q, k, v, name, "zigzag", is_causal, 0.35, "math")
+    torch.library.opcheck(torch.ops.dtcp.ring_attention_forward.default, args)
+    out, lse = torch.ops.dtcp.ring_attention_forward(*args)
+    dout = torch.randn_like(out)
+    bargs = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), name, "zigzag", is_causal, 0.35, "math")
+    torch.library.opcheck(torch.ops.dtcp.ring_attention_backward.default, bargs)
+    return True
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_opcheck(is_causal):
+    assert all(run_ranks(2, opcheck_ops, is_causal, timeout=300))
+
+
+def error_messages():
+    """Each bad call must raise with a message naming the problem; collect the messages."""
+    f64 = dict(dtype=torch.float64)
+    q = torch.randn(1, 4, 8, 8, **f64)
+    k = torch.randn(1, 2, 8, 8, **f64)
+    cases = {
+        "uneven": lambda: dtcp.ring_attention(torch.randn(1, 4, 3, 8, **f64), torch.randn(1, 4, 3, 8, **f64),
+                                              torch.randn(1, 4, 3, 8, **f64), layout=dtcp.Zigzag()),
+        "striped_block": lambda: dtcp.ring_attention(torch.randn(1, 4, 3, 8, **f64), torch.randn(1, 4, 3, 8, **f64),
+                                                     torch.randn(1, 4, 3, 8, **f64), layout=dtcp.Striped(2)),
+        "kv_shape": lambda: dtcp.ring_attention(q, k, torch.randn(1, 2, 8, 4, **f64), enable_gqa=True),
+        "seq_mismatch": lambda: dtcp.ring_attention(q, torch.randn(1, 4, 6, 8, **f64), torch.randn(1, 4, 6, 8, **f64)),
+        "heads_multiple": lambda: dtcp.ring_attention(q, torch.randn(1, 3, 8, 8, **f64), torch.randn(1, 3, 8, 8, **f64), enable_gqa=True),
+        "gqa_flag": lambda: dtcp.ring_attention(q, k, k.clone()),
+        "dtype_mix": lambda: dtcp.ring_attention(q, k.float(), k.float(), enable_gqa=True),
+        "int_dtype": lambda: dtcp.ring_attention(q.long(), k.long(), k.long(), enable_gqa=True),
+        "three_d": lambda: dtcp.ring_attention(q[0], k[0], k[0], enable_gqa=True),
+        "backend": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="nope"),
+        "backend_cuda_on_cpu": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="cudnn"),
+        "layout_name": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="spiral"),
+        "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True),
+        "striped_zero": lambda: dtcp.Striped(0),
+    }
+    messages = {}
+    for name, call in cases.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = None
+    return messages
+
+
+EXPECTED = {
+    "uneven": "multiple of 4",  # zigzag over 2 ranks: 2N
+    "striped_block": "multiple of 4",  # striped:2 over 2 ranks: N*block
+    "kv_shape": "k and v must have the same shape",
+    "seq_mismatch": "same local tokens",
+    "heads_multiple": "multiple of the key/value heads",
+    "gqa_flag": "enable_gqa=True",
+    "dtype_mix": "share one dtype",
+    "int_dtype": "floating-point",
+    "three_d": "must be 4-D",
+    "backend": "backend must be 'auto' or one of",
+    "backend_cuda_on_cpu": "cudnn needs CUDA tensors",
+    "layout_name": "unknown layout",
+    "mesh_2d": "must be 1-D",
+    "striped_zero": "positive int",
+}
+
+
+def test_bad_inputs_raise_clear_errors():
+    messages = run_ranks(2, error_messages)[0]
+    for name, needle in EXPECTED.items():
+        assert messages[name] is not None, f"{name}: no error raised"
+        assert needle in messages[name], (name, messages[name])
+
+
+def test_layout_errors_without_process_group():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        dtcp.Zigzag().check(12, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        dtcp.ring_attention(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4))
