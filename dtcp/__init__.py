@@ -2,7 +2,8 @@
 
 from .api import ring_attention
 from .comm import STATS as comm_stats
-from .layouts import Contiguous, Layout, Striped, Zigzag, layout_from_spec
+from .layouts import Contiguous, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
+from .window import attention_window
 
 __all__ = [
     "ring_attention",
@@ -10,6 +11,8 @@ __all__ = [
     "Contiguous",
     "Zigzag",
     "Striped",
+    "SlidingWindow",
+    "attention_window",
     "layout_from_spec",
     "comm_stats",
 ]

@@ -10,7 +10,8 @@ import torch
 from . import ops
 from ._groups import GroupLike, group_name, group_size, resolve_group
 from .kernels import default_scale
-from .layouts import Layout, Zigzag, layout_from_spec
+from .layouts import Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
+from .window import current_window
 
 _DEFAULT_LAYOUT = Zigzag()
 
@@ -27,6 +28,8 @@ def ring_attention(
     enable_gqa: bool = False,
     backend: str = "auto",
     return_lse: bool = False,
+    window_size: Optional[tuple[int, int]] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -56,10 +59,47 @@ def ring_attention(
     layout.check(q.shape[2] * group_size(pg), group_size(pg))
     if scale is None:
         scale = default_scale(q.shape[-1])
+    left, right = resolve_window(window_size, layout, is_causal)
+    _check_cu_seqlens(cu_seqlens)
     out, lse = ops.ring_attention_forward(
-        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend
+        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens
     )
     return (out, lse.detach()) if return_lse else out
+
+
+def resolve_window(window_size, layout: Layout, is_causal: bool) -> tuple[int, int]:
+    """The (left, right) window in force: explicit argument, then dtcp.attention_window, then
+    a SlidingWindow layout's; (-1, -1) when none."""
+    if window_size is not None:
+        window = check_window(window_size, "window_size")
+    elif current_window() is not None:
+        window = current_window()
+    elif isinstance(layout, SlidingWindow):
+        window = layout.window
+    else:
+        window = (-1, -1)
+    if is_causal and window[1] > 0:
+        raise ValueError(
+            f"window_size={window} looks ahead {window[1]} tokens, but is_causal=True allows none: "
+            f"use window_size=({window[0]}, 0) for a causal sliding window, or is_causal=False"
+        )
+    return window
+
+
+def _check_cu_seqlens(cu_seqlens) -> None:
+    # Shape and dtype only: the values are checked inside the op, which reads them anyway
+    # (reading them here would break torch.compile graphs).
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D int32 tensor of global document boundaries (0, ..., S); got "
+            f"{type(cu_seqlens).__name__}. Wrap it: torch.tensor(boundaries, dtype=torch.int32)"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D int32 (or int64) tensor; got shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}"
+        )
 
 
 def _check_inputs(q, k, v, enable_gqa, scale) -> None:

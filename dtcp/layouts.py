@@ -149,6 +149,44 @@ class Striped(Layout):
         return f"striped:{self.block}"
 
 
+def check_window(window, what: str = "window_size") -> tuple[int, int]:
+    """A validated (left, right) window: ints >= -1, -1 meaning unbounded."""
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(
+            f"{what} must be a pair of ints (left, right) as in flash-attn, -1 meaning unbounded, "
+            f"e.g. (4096, 0) for a causal sliding window of 4096; got {window!r}"
+        )
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"{what} entries must be >= 0, or -1 for unbounded; got {tuple(window)}")
+    return int(left), int(right)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Contiguous):
+    """The contiguous placement carrying a sliding window: query i sees keys j with
+    i - left <= j <= i + right (-1 = unbounded). `ring_attention(..., layout=SlidingWindow(4096))`
+    runs windowed attention in ceil(4096 / S_local) communication rounds instead of N - 1."""
+
+    left: int = -1
+    right: int = 0
+    name = "window"
+
+    def __post_init__(self):
+        check_window((self.left, self.right), "SlidingWindow(left, right)")
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return (self.left, self.right)
+
+    def spec(self) -> str:
+        return f"window:{self.left}:{self.right}"
+
+
 def layout_from_spec(spec: "str | Layout") -> Layout:
     """Inverse of `Layout.spec()`; also accepts a Layout and returns it."""
     if isinstance(spec, Layout):
@@ -163,7 +201,10 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
         return Zigzag()
     if name == "striped":
         return Striped(int(arg) if arg else 1)
-    raise ValueError(f"unknown layout {spec!r}; use 'contiguous', 'zigzag' or 'striped[:block]'")
+    if name == "window":
+        left, _, right = arg.partition(":")
+        return SlidingWindow(int(left), int(right) if right else 0)
+    raise ValueError(f"unknown layout {spec!r}; use 'contiguous', 'zigzag', 'striped[:block]' or 'window:left[:right]'")
 
 
 class _AllGatherCat(torch.autograd.Function):

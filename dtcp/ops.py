@@ -9,6 +9,7 @@ The process group travels by name and the layout by its spec string (see Layout.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -16,37 +17,72 @@ from . import _compat
 from .kernels import Kernel, acc_dtype, select_kernel
 from .layouts import layout_from_spec
 from .ring import ring_backward, ring_forward
-from .schedule import RingPlan, ring_plan
+from .schedule import AttnMask, RingPlan, ring_plans
 
 
 @lru_cache(maxsize=512)
-def _plans(layout_spec: str, local_len: int, world_size: int, is_causal: bool) -> tuple[RingPlan, ...]:
+def _plans(
+    layout_spec: str, local_len: int, world_size: int, is_causal: bool,
+    window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[tuple[int, ...]] = None,
+) -> tuple[RingPlan, ...]:
     layout = layout_from_spec(layout_spec)
-    return tuple(ring_plan(layout, local_len, world_size, r, is_causal) for r in range(world_size))
+    seq_len = local_len * world_size
+    segments = None
+    if cu_seqlens is not None:
+        segments = segments_from_cu_seqlens(cu_seqlens, seq_len)
+    mask = AttnMask.make(is_causal, window, segments)
+    return ring_plans(layout, local_len, world_size, is_causal, mask)
 
 
-def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str) -> tuple:
+def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int) -> tuple[tuple[int, int], ...]:
+    """Document ranges from cumulative lengths; checks them (empty documents are allowed: a
+    repeated boundary, as in cu_seqlens padded to a fixed size)."""
+    fix = "cu_seqlens must be the global document boundaries of the packed sequence: 0 = c0 <= c1 <= ... <= cn = S"
+    if len(cu) < 2:
+        raise ValueError(f"{fix}; got {len(cu)} value(s). One document: torch.tensor([0, S], dtype=torch.int32)")
+    if cu[0] != 0:
+        raise ValueError(f"{fix}; it starts at {cu[0]}, not 0")
+    if cu[-1] != seq_len:
+        raise ValueError(
+            f"{fix}; it ends at {cu[-1]} but the sequence has S = {seq_len} tokens (S_local x world size). "
+            "Pass the boundaries of the whole packed sequence, not of this rank's shard"
+        )
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"{fix}; it decreases at index {i} ({cu[i - 1]} -> {cu[i]})")
+    return tuple((a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a)
+
+
+def _cu_tuple(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
+    return None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens.tolist())
+
+
+def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
+            window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[torch.Tensor] = None) -> tuple:
     """(process group, this rank's plan, kernel). The kernel is chosen against every rank's tasks
     so that all ranks use the same one."""
     pg = _compat.group_from_name(group_name)
     n, r = pg.size(), pg.rank()
-    plans = _plans(layout, q.shape[2], n, is_causal)
+    plans = _plans(layout, q.shape[2], n, is_causal, window, _cu_tuple(cu_seqlens))
     all_tasks = [task for plan in plans for step in plan.steps for task in step.tasks]
     kernel: Kernel = select_kernel(backend, q, k, all_tasks)
     return pg, plans[r], kernel
 
 
+# window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
+# document boundaries or None. Both default to "no window, one document".
 @torch.library.custom_op("dtcp::ring_attention_forward", mutates_args=())
 def ring_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
+    window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend)
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
     return ring_forward(q, k, v, pg, plan, kernel, scale)
 
 
 @ring_attention_forward.register_fake
-def _(q, k, v, group_name, layout, is_causal, scale, backend):
+def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None):
     # The real op returns fresh contiguous tensors; the fakes must have the same strides.
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
@@ -55,28 +91,31 @@ def _(q, k, v, group_name, layout, is_causal, scale, backend):
 def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
+    window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend)
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
     return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend):
+def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = tuple(args)
+    cu_seqlens = args[-1] if len(args) == 8 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.args = tuple(args[:7])
+    ctx.num_args = len(args)
 
 
 def _backward(ctx, dout, dlse):
     # lse is handed to users detached (see api.ring_attention), so dlse carries nothing.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args, cu_seqlens=cu_seqlens)
+    return (dq, dk, dv) + (None,) * ctx.num_args
 
 
 ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -4,9 +4,15 @@ Forward: Q stays; K/V blocks travel one rank per step. The next block's transfer
 before the current block's kernels so communication overlaps compute (NCCL runs on its own
 stream; gloo in its own threads). Partial results merge into float32 (out, lse) accumulators.
 
-Backward: dQ accumulates locally. Each block's dK/dV accumulator (float32) travels with the
-block one step behind its K/V: a rank adds its share after computing and passes it on. After the
-last step the accumulators are sent home, so each rank ends with the gradients of its own K/V.
+Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
+travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
+sender's own K/V (see schedule.py). Each chain sends only the blocks it uses.
+
+Backward: dQ accumulates locally, and so does the share of a rank's own block. For the other
+blocks a dK/dV accumulator (float32) starts at the first holder of a chain and travels with the
+block one step behind its K/V: a rank adds its share after computing and passes it on. At the end
+of a chain the accumulator is sent home, so each rank ends with the gradients of its own K/V. The
+backward sends exactly as many dK/dV blocks as K/V blocks.
 
 Buffers: the caller's K/V are sent as they are and never written; two spare K/V buffers and two
 spare dK/dV buffers alternate, allocated once per call.
@@ -33,16 +39,14 @@ def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float):
     acc = acc_dtype(q.dtype)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    cur = (k.contiguous(), v.contiguous())
+    local = cur = (k.contiguous(), v.contiguous())
     spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, plan.num_rounds))]
 
     for t, step in enumerate(plan.steps):
         works, nxt = None, None
         if t < plan.num_rounds:
             nxt = spare[t % 2]
-            works = comm.exchange(list(cur), list(nxt))
-            STATS.kv_rounds += 1
-            STATS.kv_bytes_sent += nbytes(cur)
+            works = _send_next_block(comm, plan, t, cur, local, nxt)
         for task in step.tasks:
             qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale)
@@ -50,7 +54,19 @@ def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float):
         if works is not None:
             comm.wait(works)
             cur = nxt
+    # A row that no task touched sees no key at all (padding under a document mask): its out
+    # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
+    lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
     return out_acc.to(q.dtype), lse_acc
+
+
+def _send_next_block(comm: RingComm, plan: RingPlan, t: int, cur, local, nxt) -> list:
+    """Start the K/V transfer for step t + 1: forward the block held, or at the start of a
+    chain this rank's own block."""
+    send = local if plan.starts_chain(t + 1) else cur
+    STATS.kv_rounds += 1
+    STATS.kv_bytes_sent += nbytes(send)
+    return comm.exchange(list(send), list(nxt), shift=plan.steps[t + 1].shift)
 
 
 def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float):
@@ -59,19 +75,18 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    cur = (k.contiguous(), v.contiguous())
+    local = cur = (k.contiguous(), v.contiguous())
     spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, rounds))]
-    grad_cur = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-    grad_spare = [(torch.empty_like(grad_cur[0]), torch.empty_like(grad_cur[1])) for _ in range(2 if rounds else 0)]
+    # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
+    home = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+    grad_bufs = [(torch.empty_like(home[0]), torch.empty_like(home[1])) for _ in range(3 if rounds else 0)]
     grad_works = None
 
     for t, step in enumerate(plan.steps):
         kv_works, nxt = None, None
         if t < rounds:
             nxt = spare[t % 2]
-            kv_works = comm.exchange(list(cur), list(nxt))
-            STATS.kv_rounds += 1
-            STATS.kv_bytes_sent += nbytes(cur)
+            kv_works = _send_next_block(comm, plan, t, cur, local, nxt)
         shares = []
         for task in step.tasks:
             qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
@@ -80,25 +95,31 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             )
             dq[qs] += dq_t
             shares.append((ks, dk_t, dv_t))
-        if grad_works is not None:
-            comm.wait(grad_works)  # this block's travelling dK/dV has arrived in grad_cur
+        if t == 0:
+            grad = home
+        else:
+            grad = grad_bufs[t % 2]
+            if plan.starts_chain(t):
+                grad[0].zero_()
+                grad[1].zero_()
+            else:
+                comm.wait(grad_works)  # this block's travelling dK/dV has arrived in grad
         for ks, dk_t, dv_t in shares:
-            grad_cur[0][ks] += dk_t
-            grad_cur[1][ks] += dv_t
-        if t < rounds:
-            grad_nxt = grad_spare[t % 2]
-            grad_works = comm.exchange(list(grad_cur), list(grad_nxt))
+            grad[0][ks] += dk_t
+            grad[1][ks] += dv_t
+        if t > 0:
             STATS.grad_rounds += 1
-            STATS.grad_bytes_sent += nbytes(grad_cur)
+            STATS.grad_bytes_sent += nbytes(grad)
+            if t < rounds and not plan.starts_chain(t + 1):
+                # Pass it on to the block's next holder; it arrives while that rank computes.
+                grad_works = comm.exchange(list(grad), list(grad_bufs[(t + 1) % 2]), shift=step.shift)
+            else:
+                # End of a chain: send it home (to the block's source) and take in our own.
+                back = grad_bufs[2]
+                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank))
+                home[0].add_(back[0])
+                home[1].add_(back[1])
+        if kv_works is not None:
             comm.wait(kv_works)
-            cur, grad_cur = nxt, grad_nxt
-
-    if rounds:
-        # grad_cur belongs to the source of the last step, `rounds` ranks behind: send it home.
-        # The other spare is free: its last send was waited on in the last step.
-        home = grad_spare[rounds % 2]
-        comm.wait(comm.exchange(list(grad_cur), list(home), shift=-rounds))
-        STATS.grad_rounds += 1
-        STATS.grad_bytes_sent += nbytes(grad_cur)
-        grad_cur = home
-    return dq.to(q.dtype), grad_cur[0].to(k.dtype), grad_cur[1].to(v.dtype)
+            cur = nxt
+    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)

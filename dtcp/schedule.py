@@ -1,7 +1,13 @@
 """Per-step ring schedule: at each step, which K/V block this rank holds and which kernel calls
 it makes on it. Pure Python over integers; no process group, no tensors.
 
-At step t rank r holds the K/V block that rank (r - t) mod N started with (the *source*).
+Step 0 is the rank's own block. The other steps form at most two *chains*: a left chain in which
+blocks travel forward (rank r holds the block of rank r - d at its d-th step, shift +1) and a right
+chain in which they travel backward (the block of rank r + d, shift -1). Without a window or
+documents every block is needed and the plan is the classic ring: one left chain of N - 1 steps.
+With a sliding window or document mask the plan keeps only the offsets some rank needs, and
+picks the split between the two chains that sends the fewest blocks (`_choose_chains`).
+
 For each step the schedule lists `Task`s. A task is one local kernel call:
 
     out[q_start:q_end] <- attention(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], band)
@@ -19,6 +25,7 @@ on a kernel's alignment convention by accident.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,6 +67,9 @@ class Task:
 class Step:
     src: int  # the rank whose K/V block is held at this step
     tasks: tuple[Task, ...]
+    # How the block got here: received from rank - shift (+1: left chain, -1: right chain,
+    # 0: the local block at step 0).
+    shift: int = 1
 
 
 @dataclass(frozen=True)
@@ -76,13 +86,167 @@ class RingPlan:
         """Communication rounds of K/V: one fewer than the steps."""
         return len(self.steps) - 1
 
+    def starts_chain(self, t: int) -> bool:
+        """Does step t's block come straight from its home rank (whose sender sends its own,
+        local K/V) rather than forwarded by the previous holder?"""
+        return t > 0 and self.steps[t].shift != self.steps[t - 1].shift
 
-def ring_plan(layout: Layout, local_len: int, world_size: int, rank: int, is_causal: bool) -> RingPlan:
-    steps = []
-    for t in range(world_size):
-        src = (rank - t) % world_size
-        steps.append(Step(src, tuple(_tasks(layout, local_len, rank, src, is_causal))))
-    return RingPlan(world_size, rank, local_len, tuple(steps))
+
+@dataclass(frozen=True)
+class AttnMask:
+    """Which keys a query sees, in global token positions.
+
+    Key j is visible from query i iff `lo <= j - i <= hi` (None = unbounded) and i and j lie in
+    the same segment. `segments` are sorted, disjoint [start, end) ranges (documents); a token in
+    no segment is padding: it sees nothing and nobody sees it. segments=None: one document."""
+
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+    segments: Optional[tuple[tuple[int, int], ...]] = None
+
+    @staticmethod
+    def make(is_causal: bool, window: tuple[int, int] = (-1, -1), segments=None) -> "AttnMask":
+        """From SDPA/flash-attn arguments: window (left, right), -1 = unbounded; causal caps
+        right at 0 (flash-attn's convention: causal + window (left, -1 or 0) = (left, 0))."""
+        left, right = window
+        hi = None if right < 0 else right
+        if is_causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return AttnMask(None if left < 0 else -left, hi, None if segments is None else tuple(segments))
+
+    @property
+    def is_plain(self) -> bool:
+        """No window and no documents: full or causal attention."""
+        return self.lo is None and self.segments is None and self.hi in (None, 0)
+
+    def visible(self, i: int, j: int) -> bool:
+        d = j - i
+        if (self.lo is not None and d < self.lo) or (self.hi is not None and d > self.hi):
+            return False
+        if self.segments is None:
+            return True
+        k = bisect.bisect_right(self.segments, (i, float("inf"))) - 1
+        return k >= 0 and self.segments[k][0] <= min(i, j) and max(i, j) < self.segments[k][1]
+
+
+def ring_plan(
+    layout: Layout, local_len: int, world_size: int, rank: int, is_causal: bool, mask: Optional[AttnMask] = None
+) -> RingPlan:
+    """This rank's plan. Plans of all ranks agree on the steps (ranks exchange in lockstep), so
+    this builds every rank's tasks; use `ring_plans` when all are needed."""
+    return ring_plans(layout, local_len, world_size, is_causal, mask)[rank]
+
+
+def ring_plans(
+    layout: Layout, local_len: int, world_size: int, is_causal: bool, mask: Optional[AttnMask] = None
+) -> tuple[RingPlan, ...]:
+    """Every rank's plan. `mask` (window and documents) replaces `is_causal` when given."""
+    n = world_size
+    if mask is None:
+        mask = AttnMask.make(is_causal)
+    if mask.is_plain:
+        causal = mask.hi == 0
+
+        def tasks_of(rank, src):
+            return _tasks(layout, local_len, rank, src, causal)
+    else:
+        seq_len = local_len * n
+
+        def tasks_of(rank, src):
+            return _masked_tasks(layout, seq_len, n, rank, src, mask)
+
+    table = {(r, d): tuple(tasks_of(r, (r - d) % n)) for r in range(n) for d in range(n)}
+    needed = {d for (r, d), tasks in table.items() if d and tasks}
+    left, right = _choose_chains(needed, n)
+    offsets = [(0, 0)] + [(d, 1) for d in range(1, left + 1)] + [(-d, -1) for d in range(1, right + 1)]
+    return tuple(
+        RingPlan(n, r, local_len, tuple(Step((r - d) % n, table[r, d % n], shift) for d, shift in offsets))
+        for r in range(n)
+    )
+
+
+def _choose_chains(needed: set[int], n: int) -> tuple[int, int]:
+    """Lengths (a, b) of the left chain (offsets 1..a) and the right chain (offsets n-1..n-b, that
+    is sources r+1..r+b) that cover every needed offset with the fewest rounds a + b; ties go to
+    the left chain (the classic ring)."""
+    best = (n - 1, 0) if needed else (0, 0)
+    for a in range(n):
+        rest = [d for d in needed if d > a]
+        b = n - min(rest) if rest else 0
+        if (a + b, b) < (sum(best), best[1]):
+            best = (a, b)
+    return best
+
+
+def _masked_tasks(layout: Layout, seq_len: int, n: int, rank: int, src: int, mask: AttnMask) -> list[Task]:
+    """Generic decomposition for windows and documents, any layout: one band task per (query
+    run, key run, document) that has a visible pair, trimmed to its visible rows and columns.
+    Within a run local order is global order, so a global band is a band in slice indices."""
+    lo, hi = mask.lo, mask.hi
+    segs = mask.segments if mask.segments is not None else ((0, seq_len),)
+    starts = [a for a, _ in segs]
+    tasks = []
+    qo = 0
+    for qa, qb in layout.runs(seq_len, n, rank):
+        ko = 0
+        for ka, kb in layout.runs(seq_len, n, src):
+            # documents that overlap both runs
+            first = max(bisect.bisect_right(starts, max(qa, ka)) - 1, 0)
+            for ds, de in segs[first:]:
+                if ds >= min(qb, kb):
+                    break
+                i0, i1, j0, j1 = max(qa, ds), min(qb, de), max(ka, ds), min(kb, de)
+                if i0 >= i1 or j0 >= j1:
+                    continue
+                # rows that see some key in [j0, j1): j0 - hi <= i <= j1 - 1 - lo
+                if hi is not None:
+                    i0 = max(i0, j0 - hi)
+                if lo is not None:
+                    i1 = min(i1, j1 - lo)
+                if i0 >= i1:
+                    continue
+                # columns seen by some kept row; bands are monotone, so every kept row keeps
+                # its visible keys and no row empties
+                if lo is not None:
+                    j0 = max(j0, i0 + lo)
+                if hi is not None:
+                    j1 = min(j1, i1 + hi)
+                if j0 >= j1:
+                    continue
+                off = j0 - i0  # slice-relative band = global band - (key start - query start)
+                t_lo = None if lo is None or lo - off <= -(i1 - i0 - 1) else lo - off
+                t_hi = None if hi is None or hi - off >= j1 - j0 - 1 else hi - off
+                tasks.append(Task(qo + i0 - qa, qo + i1 - qa, ko + j0 - ka, ko + j1 - ka, t_lo, t_hi))
+            ko += kb - ka
+        qo += qb - qa
+    return _coalesce_full(tasks)
+
+
+def _coalesce_full(tasks: list[Task]) -> list[Task]:
+    """Merge full tasks that tile a larger rectangle (fewer, larger kernel calls)."""
+    changed = True
+    while changed:
+        changed = False
+        for x in range(len(tasks)):
+            a = tasks[x]
+            if not a.is_full:
+                continue
+            for y in range(len(tasks)):
+                b = tasks[y]
+                if y == x or not b.is_full:
+                    continue
+                if (a.k_start, a.k_end) == (b.k_start, b.k_end) and a.q_end == b.q_start:
+                    m = Task(a.q_start, b.q_end, a.k_start, a.k_end)
+                elif (a.q_start, a.q_end) == (b.q_start, b.q_end) and a.k_end == b.k_start:
+                    m = Task(a.q_start, a.q_end, a.k_start, b.k_end)
+                else:
+                    continue
+                tasks = [t for i, t in enumerate(tasks) if i not in (x, y)] + [m]
+                changed = True
+                break
+            if changed:
+                break
+    return sorted(tasks, key=lambda t: (t.q_start, t.k_start))
 
 
 def _tasks(layout: Layout, L: int, rank: int, src: int, is_causal: bool) -> list[Task]:

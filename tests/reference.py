@@ -37,3 +37,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def window_doc_mask(s, *, is_causal=False, window=(-1, -1), cu_seqlens=None, segments=None):
+    """(S, S) bool, True = visible, built densely and independently of dtcp's schedule: flash-attn
+    window (left, right) (-1 = unbounded), causal, documents from `cu_seqlens` (global
+    boundaries) or `segments` ([start, end) ranges; tokens in none are padding, fully masked)."""
+    i = torch.arange(s)[:, None]
+    j = torch.arange(s)[None, :]
+    keep = torch.ones(s, s, dtype=torch.bool)
+    left, right = window
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if is_causal:
+        keep &= j <= i
+    if cu_seqlens is not None:
+        doc = torch.zeros(s, dtype=torch.long)
+        for a, b in zip(list(cu_seqlens)[:-1], list(cu_seqlens)[1:]):
+            doc[a:b] = a
+        keep &= doc[:, None] == doc[None, :]
+    if segments is not None:
+        doc = torch.full((s,), -1, dtype=torch.long)
+        for n, (a, b) in enumerate(segments):
+            doc[a:b] = n
+        keep &= (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    return keep
