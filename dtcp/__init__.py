@@ -1,12 +1,14 @@
 """dtcp: exact, compile-native context-parallel (ring) attention for PyTorch."""
 
-from .api import ring_attention
+from .api import flash_attn_varlen_func, ring_attention
 from .comm import STATS as comm_stats
-from .layouts import Contiguous, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
+from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
 from .window import attention_window
 
 __all__ = [
     "ring_attention",
+    "flash_attn_varlen_func",
+    "DocZigzag",
     "Layout",
     "Contiguous",
     "Zigzag",

@@ -10,7 +10,7 @@ import torch
 from . import ops
 from ._groups import GroupLike, group_name, group_size, resolve_group
 from .kernels import default_scale
-from .layouts import Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
+from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
 from .window import current_window
 
 _DEFAULT_LAYOUT = Zigzag()
@@ -61,10 +61,60 @@ def ring_attention(
         scale = default_scale(q.shape[-1])
     left, right = resolve_window(window_size, layout, is_causal)
     _check_cu_seqlens(cu_seqlens)
+    if cu_seqlens is not None and isinstance(layout, DocZigzag):
+        raise ValueError(
+            "cu_seqlens: a DocZigzag layout carries its documents (and their padding); pass cu_seqlens=None"
+        )
     out, lse = ops.ring_attention_forward(
         q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens
     )
     return (out, lse.detach()) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor],
+    max_seqlen: Optional[int] = None,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: Optional[float] = None,
+    group: GroupLike = None,
+    layout: Union[Layout, str] = Contiguous(),
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """flash-attn's `flash_attn_varlen_func` for a packed sequence sharded over a CP group.
+
+    Args:
+        q: (T_local, Hq, D) this rank's packed tokens; k, v: (T_local, Hkv, D), Hkv dividing Hq.
+        cu_seqlens: (num_docs + 1,) int32 global document boundaries of the whole packed
+            sequence (one tensor for q and k: this is self-attention); None with a DocZigzag
+            layout, which carries its documents.
+        max_seqlen: accepted for flash-attn compatibility and not needed (the schedule reads
+            the boundaries themselves).
+        causal, window_size, softmax_scale: as in flash-attn (window (left, right), -1 unbounded).
+        group, layout, backend: as in `ring_attention`; the default layout is contiguous, where
+            a window needs the fewest rounds.
+
+    Returns:
+        out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, head_dim) tensor; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 1):
+        raise TypeError(f"max_seqlen must be a positive int or None; got {max_seqlen!r}")
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out, lse = ring_attention(
+        q4, k4, v4, group, layout=layout, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
+        backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens,
+    )
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if return_lse else out
 
 
 def resolve_window(window_size, layout: Layout, is_causal: bool) -> tuple[int, int]:

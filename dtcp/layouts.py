@@ -187,6 +187,119 @@ class SlidingWindow(Contiguous):
         return f"window:{self.left}:{self.right}"
 
 
+@dataclass(frozen=True)
+class DocZigzag(Layout):
+    """Per-document zigzag for causal attention over packed documents (load balance).
+
+    Each document is padded at its end to a multiple of 2N and cut into 2N equal chunks; rank r
+    holds chunk r and chunk 2N-1-r of every document, documents in order. Every rank then has
+    the same causal work in every document. The layout carries the documents, so
+    `ring_attention(..., layout=DocZigzag(...))` applies the document mask by itself; padding
+    tokens see nothing and are seen by nobody (out 0, lse 0, zero gradients).
+
+    The tensors it shards are *padded*: use `shard_packed` (packed tokens -> this rank's padded
+    shard), `loss_mask` (True on real tokens: multiply the loss by it) and `unshard_packed`.
+    Picture, N = 2, documents of 5 and 3 tokens (p = padding; chunks of 2 and 1):
+
+        padded:  a0 a1 a2 a3 a4 p p p | b0 b1 b2 p
+        rank 0:  a0 a1 . p p  | b0 . p        rank 1:  a2 a3 . a4 p | b1 . b2
+    """
+
+    doc_lens: tuple[int, ...] = ()
+    name = "doczigzag"
+
+    def __post_init__(self):
+        if not isinstance(self.doc_lens, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.doc_lens
+        ):
+            raise TypeError(f"DocZigzag(doc_lens) takes a tuple of non-negative ints; got {self.doc_lens!r}")
+        if sum(self.doc_lens) == 0:
+            raise ValueError("DocZigzag needs at least one non-empty document")
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens) -> "DocZigzag":
+        """From global boundaries of the packed (unpadded) sequence: a list or an int tensor."""
+        cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must be 0 = c0 <= c1 <= ... <= cn (document boundaries); got {cu}")
+        return DocZigzag(tuple(b - a for a, b in zip(cu, cu[1:])))
+
+    def _padded(self, world_size: int) -> list[tuple[int, int, int]]:
+        """(padded start, real length, padded length) per non-empty document."""
+        m, out, start = 2 * world_size, [], 0
+        for n in self.doc_lens:
+            if n:
+                p = -(-n // m) * m
+                out.append((start, n, p))
+                start += p
+        return out
+
+    def padded_len(self, world_size: int) -> int:
+        """Length of the padded sequence over `world_size` ranks."""
+        return sum(p for _, _, p in self._padded(world_size))
+
+    def multiple(self, world_size: int) -> int:
+        return 2 * world_size
+
+    def check(self, seq_len: int, world_size: int) -> None:
+        want = self.padded_len(world_size)
+        if seq_len != want:
+            raise ValueError(
+                f"DocZigzag over {world_size} ranks holds a padded sequence of {want} tokens "
+                f"({want // world_size} per rank); got {seq_len}. Shard the packed tensor with "
+                "layout.shard_packed(x, group, dim)"
+            )
+
+    def runs(self, seq_len, world_size, rank):
+        runs = []
+        for start, _, p in self._padded(world_size):
+            c = p // (2 * world_size)
+            hi = 2 * world_size - 1 - rank
+            runs += [(start + rank * c, start + (rank + 1) * c), (start + hi * c, start + (hi + 1) * c)]
+        return runs
+
+    def segments(self, world_size: int) -> tuple[tuple[int, int], ...]:
+        """The real tokens of each document in padded positions; the rest is padding."""
+        return tuple((start, start + n) for start, n, _ in self._padded(world_size))
+
+    def spec(self) -> str:
+        return "doczigzag:" + ",".join(str(n) for n in self.doc_lens)
+
+    # ---- packed <-> padded ------------------------------------------------------------------
+    def _real_positions(self, world_size: int) -> torch.Tensor:
+        """Padded position of each packed token."""
+        return torch.cat([torch.arange(a, a + n) for a, n, _ in self._padded(world_size)])
+
+    def pad(self, x: torch.Tensor, world_size: int, dim: int = 0) -> torch.Tensor:
+        """Packed (..., T, ...) -> padded (..., S_padded, ...), zeros in the padding."""
+        dim = dim % x.dim()
+        if x.shape[dim] != sum(self.doc_lens):
+            raise ValueError(f"pad: dim {dim} has {x.shape[dim]} tokens; the documents hold {sum(self.doc_lens)}")
+        shape = list(x.shape)
+        shape[dim] = self.padded_len(world_size)
+        out = x.new_zeros(shape)
+        return out.index_copy(dim, self._real_positions(world_size).to(x.device), x)
+
+    def shard_packed(self, x: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
+        """This rank's shard of the padded sequence, from the full packed tensor."""
+        pg = resolve_group(group)
+        return self.shard(self.pad(x, group_size(pg), dim), pg, dim)
+
+    def loss_mask(self, group: GroupLike = None) -> torch.Tensor:
+        """(S_local,) bool: True on this rank's real tokens, False on padding."""
+        pg = resolve_group(group)
+        n = group_size(pg)
+        real = torch.zeros(self.padded_len(n), dtype=torch.bool)
+        real[self._real_positions(n)] = True
+        return real[self.positions(self.padded_len(n), pg)]
+
+    def unshard_packed(self, x_local: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
+        """The full packed tensor (..., T, ...) from every rank's padded shard (differentiable)."""
+        pg = resolve_group(group)
+        full = self.unshard(x_local, pg, dim)
+        return full.index_select(dim % full.dim(), self._real_positions(group_size(pg)).to(full.device))
+
+
 def layout_from_spec(spec: "str | Layout") -> Layout:
     """Inverse of `Layout.spec()`; also accepts a Layout and returns it."""
     if isinstance(spec, Layout):
@@ -201,6 +314,8 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
         return Zigzag()
     if name == "striped":
         return Striped(int(arg) if arg else 1)
+    if name == "doczigzag":
+        return DocZigzag(tuple(int(n) for n in arg.split(",") if n))
     if name == "window":
         left, _, right = arg.partition(":")
         return SlidingWindow(int(left), int(right) if right else 0)

@@ -15,7 +15,7 @@ import torch
 
 from . import _compat
 from .kernels import Kernel, acc_dtype, select_kernel
-from .layouts import layout_from_spec
+from .layouts import DocZigzag, layout_from_spec
 from .ring import ring_backward, ring_forward
 from .schedule import AttnMask, RingPlan, ring_plans
 
@@ -30,6 +30,8 @@ def _plans(
     segments = None
     if cu_seqlens is not None:
         segments = segments_from_cu_seqlens(cu_seqlens, seq_len)
+    elif isinstance(layout, DocZigzag):
+        segments = layout.segments(world_size)  # the layout carries its documents
     mask = AttnMask.make(is_causal, window, segments)
     return ring_plans(layout, local_len, world_size, is_causal, mask)
 

@@ -180,20 +180,28 @@ def _choose_chains(needed: set[int], n: int) -> tuple[int, int]:
 
 def _masked_tasks(layout: Layout, seq_len: int, n: int, rank: int, src: int, mask: AttnMask) -> list[Task]:
     """Generic decomposition for windows and documents, any layout: one band task per (query
-    run, key run, document) that has a visible pair, trimmed to its visible rows and columns.
-    Within a run local order is global order, so a global band is a band in slice indices."""
+    run, document, key run) that has a visible pair, trimmed to its visible rows and columns.
+    Within a run local order is global order, so a global band is a band in slice indices.
+    Only key runs inside the document and the window's reach are looked at."""
     lo, hi = mask.lo, mask.hi
     segs = mask.segments if mask.segments is not None else ((0, seq_len),)
-    starts = [a for a, _ in segs]
+    seg_starts = [a for a, _ in segs]
+    k_runs, ko = [], 0
+    for ka, kb in layout.runs(seq_len, n, src):
+        k_runs.append((ka, kb, ko))
+        ko += kb - ka
+    k_starts = [ka for ka, _, _ in k_runs]  # runs are in increasing global order
     tasks = []
     qo = 0
     for qa, qb in layout.runs(seq_len, n, rank):
-        ko = 0
-        for ka, kb in layout.runs(seq_len, n, src):
-            # documents that overlap both runs
-            first = max(bisect.bisect_right(starts, max(qa, ka)) - 1, 0)
-            for ds, de in segs[first:]:
-                if ds >= min(qb, kb):
+        for ds, de in segs[max(bisect.bisect_right(seg_starts, qa) - 1, 0):]:
+            if ds >= qb:
+                break
+            # keys this document and the band allow for these queries
+            key_lo = max(ds, qa + lo) if lo is not None else ds
+            key_hi = min(de, qb + hi) if hi is not None else de
+            for ka, kb, ko in k_runs[max(bisect.bisect_right(k_starts, key_lo) - 1, 0):]:
+                if ka >= key_hi:
                     break
                 i0, i1, j0, j1 = max(qa, ds), min(qb, de), max(ka, ds), min(kb, de)
                 if i0 >= i1 or j0 >= j1:
@@ -217,7 +225,6 @@ def _masked_tasks(layout: Layout, seq_len: int, n: int, rank: int, src: int, mas
                 t_lo = None if lo is None or lo - off <= -(i1 - i0 - 1) else lo - off
                 t_hi = None if hi is None or hi - off >= j1 - j0 - 1 else hi - off
                 tasks.append(Task(qo + i0 - qa, qo + i1 - qa, ko + j0 - ka, ko + j1 - ka, t_lo, t_hi))
-            ko += kb - ka
         qo += qb - qa
     return _coalesce_full(tasks)
 

@@ -144,3 +144,35 @@ def test_bad_cu_seqlens_messages():
         segments_from_cu_seqlens((0, 9, 4, 16), 16)
     with pytest.raises(ValueError, match="One document"):
         segments_from_cu_seqlens((0,), 16)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("doc_lens", [(5, 3), (1, 1, 13), (8,), (0, 7, 0, 2, 9)], ids=str)
+def test_doc_zigzag_schedule_covers_exactly_the_visible_pairs(world_size, doc_lens):
+    layout = dtcp.DocZigzag(doc_lens)
+    seq_len = layout.padded_len(world_size)
+    segments = layout.segments(world_size)
+    truth = window_doc_mask(seq_len, is_causal=True, segments=segments)
+    for window in [(-1, -1), (2, 0)]:
+        truth = window_doc_mask(seq_len, is_causal=True, window=window, segments=segments)
+        mask = AttnMask.make(True, window, segments)
+        for rank, plan in enumerate(ring_plans(layout, seq_len // world_size, world_size, True, mask)):
+            q_pos = layout.global_positions(seq_len, world_size, rank)
+            got = torch.zeros(seq_len, seq_len, dtype=torch.int64)
+            for step in plan.steps:
+                k_pos = layout.global_positions(seq_len, world_size, step.src)
+                for t in step.tasks:
+                    for i in range(t.q_len):
+                        for j in range(t.k_len):
+                            if t.visible(i, j):
+                                got[q_pos[t.q_start + i], k_pos[t.k_start + j]] += 1
+            assert torch.equal(got[q_pos], truth[q_pos].long()), (rank, window)
+
+
+def test_doc_zigzag_balances_causal_work():
+    layout = dtcp.DocZigzag((16, 8, 24))
+    n = 4
+    seq_len = layout.padded_len(n)
+    plans = ring_plans(layout, seq_len // n, n, True, AttnMask.make(True, (-1, -1), layout.segments(n)))
+    work = [sum(t.q_len * t.k_len for s in p.steps for t in s.tasks) for p in plans]
+    assert len(set(work)) == 1, work  # same number of scores on every rank (up to the diagonal masks)

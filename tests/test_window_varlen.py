@@ -253,3 +253,103 @@ def test_compile_window_varlen_no_graph_breaks(how):
     for r in run_ranks(4, compiled_window_varlen, how, timeout=300):
         assert r["graph_breaks"] == 0 and r["frames"] == 1, r
         assert r["max_err"] < 1e-12, r
+
+
+# ---- per-document zigzag with padding: fully masked rows --------------------------------------
+
+def doc_zigzag_errors(doc_lens, window, heads=(4, 2), d=8):
+    """Packed documents, padded per document and dealt in zigzag; padding rows see nothing."""
+    n = dist.get_world_size()
+    layout = dtcp.DocZigzag(tuple(doc_lens))
+    total = sum(doc_lens)
+    q, k, v, dout = (t.transpose(1, 2)[0] for t in make_inputs(3, 1, heads[0], heads[1], total, d))  # (T, H, D)
+    # reference: the padded full sequence with the padding masked out entirely
+    qp, kp, vp, doutp = (layout.pad(t, n, dim=0).transpose(0, 1)[None] for t in (q, k, v, dout))
+    s = qp.shape[2]
+    mask = window_doc_mask(s, is_causal=True, window=window, segments=layout.segments(n))
+    ref = [t.clone().requires_grad_() for t in (qp, kp, vp)]
+    out_ref, lse_ref = reference_attention(*ref, mask=mask)
+    out_ref.backward(doutp)
+    lse_ref = lse_ref.detach().masked_fill(torch.isneginf(lse_ref), 0.0)
+
+    local = [layout.shard_packed(t, dim=0).detach().requires_grad_() for t in (q, k, v)]  # (S_local, H, D)
+    out, lse = dtcp.flash_attn_varlen_func(*local, None, causal=True, window_size=window, layout=layout, return_lse=True)
+    keep = layout.loss_mask()
+    (out * layout.shard_packed(dout, dim=0) * keep[:, None, None]).sum().backward()
+    shard = lambda t: layout.shard(t, dim=2)[0].transpose(0, 1)  # noqa: E731
+    pad = ~keep
+    finite = all(torch.isfinite(t).all() for t in (out, lse, *(x.grad for x in local)))
+    # the loss-masked padding rows: out exactly 0, lse exactly 0, no gradient in or out
+    padding_zero = bool(pad.any()) and all(
+        (t[pad] == 0).all() for t in (out, lse.transpose(0, 1), local[0].grad, local[1].grad, local[2].grad)
+    )
+    packed = layout.unshard_packed(out, dim=0)
+    ref_masked_dout = [r.grad for r in ref]
+    return {
+        "out": err(out, shard(out_ref)),
+        "lse": err(lse, layout.shard(lse_ref, dim=2)[0]),
+        "dq": err(local[0].grad, shard(ref_masked_dout[0])),
+        "dk": err(local[1].grad, shard(ref_masked_dout[1])),
+        "dv": err(local[2].grad, shard(ref_masked_dout[2])),
+        "finite": finite, "padding_zero": padding_zero,
+        "packed": err(packed, out_ref[0].transpose(0, 1)[layout._real_positions(n)]),
+        "real_tokens": int(keep.sum()),
+    }
+
+
+@pytest.mark.parametrize("world_size,doc_lens,window", [
+    (2, [5, 3, 9], (-1, -1)), (4, [1, 13, 2, 7], (4, 0)), (4, [17], (-1, -1)), (8, [3, 30, 1], (6, 0)),
+])
+def test_doc_zigzag_with_padding(world_size, doc_lens, window):
+    results = run_ranks(world_size, doc_zigzag_errors, doc_lens, window)
+    assert_exact(results, (doc_lens, window))
+    assert sum(r["real_tokens"] for r in results) == sum(doc_lens)
+    for r in results:
+        assert r["finite"] and r["packed"] < 1e-10, r
+    assert any(r["padding_zero"] for r in results)  # some rank holds padding, and it is all zero
+
+
+def varlen_matches_ring_attention(cu):
+    """flash_attn_varlen_func on (T, H, D) equals ring_attention on (1, H, T, D)."""
+    q, k, v, dout = make_inputs(5, 1, 4, 2, cu[-1], 8)
+    layout = dtcp.Contiguous()
+    q, k, v = (layout.shard(t, dim=2) for t in (q, k, v))
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    a = dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, window_size=(3, 0), enable_gqa=True, cu_seqlens=cu_t)
+    b, lse = dtcp.flash_attn_varlen_func(*(t[0].transpose(0, 1) for t in (q, k, v)), cu_t, max(np_diff(cu)),
+                                         causal=True, window_size=(3, 0), return_lse=True)
+    return torch.equal(b, a[0].transpose(0, 1)) and lse.shape == (4, q.shape[2])
+
+
+def np_diff(cu):
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def test_flash_attn_varlen_func():
+    assert all(run_ranks(2, varlen_matches_ring_attention, [0, 3, 4, 16]))
+
+
+# ---- property test ------------------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def masked_cases(draw):
+    world_size = draw(st.sampled_from([2, 4]))
+    layout = draw(st.sampled_from(["contiguous", "contiguous", "zigzag", "striped:1"]))
+    local_len = draw(st.integers(1, 5)) * (2 if layout == "zigzag" else 1)
+    s = world_size * local_len
+    cuts = sorted(draw(st.sets(st.integers(1, s - 1), max_size=5))) if s > 1 else []
+    cu = [0, *cuts, s] if draw(st.booleans()) else None
+    is_causal = draw(st.booleans())
+    left = draw(st.integers(-1, s + 2))
+    right = draw(st.sampled_from([-1, 0])) if is_causal else draw(st.integers(-1, s // 2 + 1))
+    return world_size, layout, s, is_causal, (left, right), cu
+
+
+@settings(max_examples=25, deadline=None)
+@given(masked_cases())
+def test_property_random_documents_and_windows(case):
+    world_size, layout, s, is_causal, window, cu = case
+    assert_exact(run_ranks(world_size, masked_errors, layout, s, is_causal, window, cu, heads=(2, 1), d=4, b=1), case)
