@@ -176,3 +176,22 @@ def test_doc_zigzag_balances_causal_work():
     plans = ring_plans(layout, seq_len // n, n, True, AttnMask.make(True, (-1, -1), layout.segments(n)))
     work = [sum(t.q_len * t.k_len for s in p.steps for t in s.tasks) for p in plans]
     assert len(set(work)) == 1, work  # same number of scores on every rank (up to the diagonal masks)
+
+
+def test_flash_windows_express_every_trimmed_band():
+    """CUDA flash is bottom-right aligned: a band task fits it iff its window is non-negative.
+    Trimming guarantees that (the last row sees a key, the last key is seen), so backend="auto"
+    can always use flash for windows and documents."""
+    from dtcp.kernels import _flash_window
+
+    n = 0
+    for layout in LAYOUTS:
+        for cu in (None, [0, 3, 13, 16], [0, 1, 2, 3, 9, 10, 16]):
+            for window in WINDOWS:
+                segments = segments_from_cu_seqlens(tuple(cu), 16) if cu else None
+                for plan in ring_plans(layout, 4, 4, False, AttnMask.make(False, window, segments)):
+                    for t in (t for s in plan.steps for t in s.tasks):
+                        left, right = _flash_window(t.q_len, t.k_len, t.lo, t.hi)
+                        assert (t.lo is None or left >= 0) and (t.hi is None or right >= 0), t
+                        n += 1
+    assert n > 1000

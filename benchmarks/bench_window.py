@@ -1,0 +1,221 @@
+"""Sliding-window ring attention: time against the local compute alone and against full causal.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/bench_window.py --out window.json
+    torchrun --nproc-per-node 4 benchmarks/bench_window.py --device cpu --seq-len 512 --heads 2 \
+        --head-dim 16 --window 40 --dtype float32 --iters 2 --warmup 1 --out /tmp/window.json
+
+Defaults: bf16, B=1, H=32, D=128, S=131072 in total, causal window 4096, contiguous layout.
+Three forward+backward timings, each the median over iterations of one rank, then the max over
+ranks (the slowest rank sets the step time):
+
+  windowed ring   dtcp.ring_attention(..., layout=Contiguous(), is_causal=True, window_size=(W, 0))
+  local compute   the same kernel on the same blocks (the windowed plan's tasks, K/V of this
+                  rank standing in for the received blocks), with the same LSE merges, and no
+                  communication: the floor the ring can reach
+  full causal     dtcp.ring_attention(..., layout=Zigzag(), is_causal=True): no window
+
+Targets: windowed / local <= 1.2, full causal / windowed >= 5. Before timing, a small
+correctness check runs the windowed ring with the chosen backend against backend="math"
+(fp32 accumulate) on a short sequence with odd window sizes, including right > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dtcp.kernels import default_scale, select_kernel
+from dtcp.merge import merge_into_
+from dtcp.ops import _plans
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--seq-len", type=int, default=131072, help="total tokens over all ranks")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=4096, help="causal window: window_size=(W, 0)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--skip-full", action="store_true", help="skip the full causal ring (slow on CPU)")
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--out", default=None, help="write results as JSON here (rank 0)")
+    return p.parse_args()
+
+
+class Timer:
+    """Wall time of a region: CUDA events on GPU, perf_counter after a barrier on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, warmup, iters):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if self.cuda:
+                torch.cuda.synchronize()
+                dist.barrier()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def max_over_ranks(x: float, device) -> tuple[float, list[float]]:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    vals = [float(p) for p in parts]
+    return max(vals), vals
+
+
+def local_compute(q, k, v, dout, plan, kernel, scale):
+    """The windowed plan's kernel calls and merges on this rank's own K/V, no communication."""
+    acc = torch.float32
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    for step in plan.steps:
+        for t in step.tasks:
+            qs, ks = (slice(None), slice(None), slice(t.q_start, t.q_end)), (slice(None), slice(None), slice(t.k_start, t.k_end))
+            o, l = kernel.forward(q[qs], k[ks], v[ks], t.lo, t.hi, scale)
+            merge_into_(out_acc[qs], lse_acc[qs], o, l)
+    out = out_acc.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for step in plan.steps:
+        for t in step.tasks:
+            qs, ks = (slice(None), slice(None), slice(t.q_start, t.q_end)), (slice(None), slice(None), slice(t.k_start, t.k_end))
+            a, b, c = kernel.backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse_acc[qs], t.lo, t.hi, scale)
+            dq[qs] += a
+            dk[ks] += b
+            dv[ks] += c
+    return out, dq, dk, dv
+
+
+def check_small(device, dtype, backend, heads, kv_heads, head_dim):
+    """Windowed ring with `backend` vs backend='math' on the same inputs (short sequence)."""
+    n = dist.get_world_size()
+    m = 384 if device.type == "cuda" else 24
+    worst = 0.0
+    for window, causal in (((700 if device.type == "cuda" else 40, 0), True), ((m // 3, m + 5), False), ((m - 1, 0), True)):
+        g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
+        q, k, v, do = (torch.randn(1, h, m, head_dim, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads))
+        outs = []
+        for be in (backend, "math"):
+            leaf = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = dtcp.ring_attention(*leaf, layout=dtcp.Contiguous(), is_causal=causal, window_size=window,
+                                    enable_gqa=heads != kv_heads, backend=be)
+            o.backward(do)
+            outs.append([o] + [t.grad for t in leaf])
+        for a, b in zip(*outs):
+            worst = max(worst, ((a.float() - b.float()).norm() / b.float().norm()).item())
+    return max_over_ranks(worst, device)[0]
+
+
+def main():
+    args = parse()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, args.dtype)
+    hkv = args.kv_heads or args.heads
+    m = args.seq_len // n
+    if args.seq_len % (2 * n):
+        raise SystemExit(f"--seq-len must be a multiple of 2 x world size ({2 * n}) for the zigzag comparison")
+    window = (args.window, 0)
+    timer = Timer(device)
+    res = {"world_size": n, "seq_len": args.seq_len, "local_len": m, "heads": args.heads, "kv_heads": hkv,
+           "head_dim": args.head_dim, "window": args.window, "dtype": args.dtype, "device": str(device),
+           "torch": torch.__version__}
+
+    if not args.skip_check:
+        res["check_rel_err_vs_math"] = check_small(device, dtype, args.backend, args.heads, hkv, args.head_dim)
+
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, h, m, args.head_dim, generator=g).to(device, dtype)
+                     for h in (args.heads, hkv, hkv, args.heads))
+    leaf = [t.clone().requires_grad_() for t in (q, k, v)]
+    gqa = args.heads != hkv
+
+    def ring(layout, win):
+        for t in leaf:
+            t.grad = None
+        o = dtcp.ring_attention(*leaf, layout=layout, is_causal=True, window_size=win, enable_gqa=gqa, backend=args.backend)
+        o.backward(dout)
+
+    # what the windowed ring does: plan, kernel, communication
+    plans = _plans(dtcp.Contiguous().spec(), m, n, True, window, None)
+    plan = plans[rank]
+    kernel = select_kernel(args.backend, q, k, [t for p in plans for s in p.steps for t in s.tasks])
+    dtcp.comm_stats.reset()
+    ring(dtcp.Contiguous(), window)
+    st = dtcp.comm_stats  # one windowed forward + backward
+    res.update(kernel=kernel.name, kv_blocks_sent_fwd_bwd=st.kv_rounds, kv_bytes_sent_fwd_bwd=st.kv_bytes_sent,
+               grad_blocks_sent=st.grad_rounds, grad_bytes_sent=st.grad_bytes_sent,
+               rank0_tasks=[[(t.q_start, t.q_end, t.k_start, t.k_end, t.lo, t.hi) for t in s.tasks] for s in plan.steps])
+    scale = default_scale(args.head_dim)
+
+    times = {}
+    times["windowed_ring"] = timer(lambda: ring(dtcp.Contiguous(), window), args.warmup, args.iters)
+    times["local_compute"] = timer(lambda: local_compute(q, k, v, dout, plan, kernel, scale), args.warmup, args.iters)
+    if not args.skip_full:
+        times["full_causal_ring_zigzag"] = timer(lambda: ring(dtcp.Zigzag(), None), args.warmup, args.iters)
+    res["ms"], res["ms_per_rank"] = {}, {}
+    for key, t in times.items():
+        res["ms"][key], res["ms_per_rank"][key] = max_over_ranks(t, device)
+    ms = res["ms"]
+    res["windowed_over_local"] = ms["windowed_ring"] / ms["local_compute"]
+    if "full_causal_ring_zigzag" in ms:
+        res["speedup_vs_full_causal"] = ms["full_causal_ring_zigzag"] / ms["windowed_ring"]
+
+    if rank == 0:
+        print(f"dtcp sliding-window ring attention: {n} ranks, {device.type}, {args.dtype}, B=1, H={args.heads}, "
+              f"Hkv={hkv}, D={args.head_dim}, S={args.seq_len} (M={m}/rank), window ({args.window}, 0), kernel {kernel.name}")
+        print(f"per rank, one fwd+bwd: K/V blocks sent {res['kv_blocks_sent_fwd_bwd']} "
+              f"({res['kv_bytes_sent_fwd_bwd'] / 2**20:.1f} MiB), dK/dV blocks sent {res['grad_blocks_sent']} "
+              f"({res['grad_bytes_sent'] / 2**20:.1f} MiB)")
+        if "check_rel_err_vs_math" in res:
+            print(f"check vs backend='math' (short sequence): max rel err {res['check_rel_err_vs_math']:.2e}")
+        print(f"{'fwd+bwd, max over ranks':<44}{'ms':>10}")
+        for key, label in (("windowed_ring", "windowed ring (contiguous)"), ("local_compute", "local compute only (same kernels, no comm)"),
+                           ("full_causal_ring_zigzag", "full causal ring (zigzag)")):
+            if key in ms:
+                print(f"{label:<44}{ms[key]:>10.3f}")
+        print(f"{'windowed / local compute (target <= 1.2)':<44}{res['windowed_over_local']:>10.3f}")
+        if "speedup_vs_full_causal" in res:
+            print(f"{'full causal / windowed (target >= 5)':<44}{res['speedup_vs_full_causal']:>10.2f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+            print(f"wrote {args.out}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
