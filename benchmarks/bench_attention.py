@@ -122,7 +122,16 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode):
     reset_mem(device)
     t_fwd = timer(fwd, args.warmup, args.iters)
     t_all = timer(fwd_bwd, args.warmup, args.iters)
-    return t_fwd, t_all, peak_mem_gib(device)
+    mem = peak_mem_gib(device)
+    if args.profile and mode == "eager" and device.type == "cuda":
+        for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            nccl_ms, share, comp_ms = profile_overlap(fn)
+            t = torch.tensor([share], device=device, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            if dist.get_rank() == 0:
+                print(f"  profile S={s} kv={hkv} {what}: NCCL kernels {nccl_ms:.2f} ms/iter, compute kernels {comp_ms:.2f} ms/iter; "
+                      f"share of NCCL time concurrent with compute (min over ranks): {t.item():.1%}", flush=True)
+    return t_fwd, t_all, mem
 
 
 def bench_torch_cp(args, s, hkv, backend, device, dtype, timer, rotate):
@@ -160,6 +169,51 @@ def bench_torch_cp(args, s, hkv, backend, device, dtype, timer, rotate):
     return t_fwd, t_all, peak_mem_gib(device)
 
 
+def _union(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(xs, ys):
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def profile_overlap(fn, steps=2):
+    """Run fn under the profiler; return (nccl kernel ms, share of it concurrent with other
+    kernels, compute kernel ms) for this rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    nccl, comp = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        iv = (e.time_range.start, e.time_range.end)
+        (nccl if "nccl" in e.name.lower() else comp).append(iv)
+    nccl, comp = _union(nccl), _union(comp)
+    nccl_us = sum(b - a for a, b in nccl)
+    return nccl_us / 1e3 / steps, (_overlap(nccl, comp) / nccl_us if nccl_us else float("nan")), sum(b - a for a, b in comp) / 1e3 / steps
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -176,6 +230,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--profile", action="store_true", help="measure NCCL/compute kernel overlap of dtcp fwd+bwd")
     args = p.parse_args()
 
     device = torch.device(args.device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._groups import global_rank, group_rank, group_size
+from ._groups import global_rank, group_rank, group_size, ring_group
 
 
 @dataclass
@@ -30,7 +30,7 @@ class RingComm:
     """Sends to the rank `shift` places ahead and receives from the rank `shift` places behind."""
 
     def __init__(self, pg: "dist.ProcessGroup"):
-        self.pg = pg
+        self.pg = ring_group(pg)
         self.world_size = group_size(pg)
         self.rank = group_rank(pg)
 

@@ -108,6 +108,8 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             if kv_works is not None:
                 STATS.kv_rounds += 1
                 STATS.kv_bytes_sent += nbytes(cur)
+        elif t % 2 < len(spare):
+            spare[t % 2] = None  # nothing more to receive: let the kernels reuse that memory
         shares = []
         for task in step.tasks:
             qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
@@ -116,6 +118,7 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             )
             dq[qs] += dq_t
             shares.append((ks, dk_t, dv_t))
+            del dq_t, dk_t, dv_t
         if grad_works is not None:
             comm.wait(grad_works)  # this block's travelling dK/dV has arrived in grad_cur
             grad_works = None
@@ -134,12 +137,16 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
                 comm.wait(kv_works)
                 cur = spare[t % 2]
 
-    if rounds and not isinstance(comm, NoComm):
-        # grad_cur belongs to the source of the last step, `rounds` ranks behind: send it home.
-        # The other buffer is free: its send was waited on in the last step.
-        home = grads[(rounds + 1) % 2]
-        comm.wait(comm.exchange(list(grad_cur), list(home), shift=-rounds))
-        STATS.grad_rounds += 1
-        STATS.grad_bytes_sent += nbytes(grad_cur)
-        grad_cur = home
-    return dq.to(q.dtype), grad_cur[0].to(k.dtype), grad_cur[1].to(v.dtype)
+    dq = dq.to(q.dtype)
+    if not rounds or isinstance(comm, NoComm):
+        return dq, grad_cur[0].to(k.dtype), grad_cur[1].to(v.dtype)
+    # grad_cur is finished and belongs to the source of the last step, `rounds` ranks behind:
+    # send it home in the output dtype (the result is rounded to it anyway), straight into the
+    # returned tensors.
+    send = (grad_cur[0].to(k.dtype), grad_cur[1].to(v.dtype))
+    del grads, grad_cur, spare, cur
+    home = (torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(v, memory_format=torch.contiguous_format))
+    comm.wait(comm.exchange(list(send), list(home), shift=-rounds))
+    STATS.grad_rounds += 1
+    STATS.grad_bytes_sent += nbytes(send)
+    return dq, home[0], home[1]
