@@ -31,6 +31,10 @@ from .schedule import RingPlan
 class NoComm:
     """Stand-in for RingComm that moves nothing: buffers stay as they are."""
 
+    @staticmethod
+    def spare_buffers(like, kind):
+        return [[torch.empty_like(t) for t in like] for _ in range(2)]
+
     def exchange(self, send, recv, shift: int = 1):
         return None
 
@@ -50,10 +54,10 @@ def _covers_all_rows(step, local_len: int) -> bool:
 def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm: Optional[object] = None):
     """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards.
     Returns out (B, Hq, L, D) in q.dtype and lse (B, Hq, L) float32 (float64 for float64)."""
-    comm = RingComm(pg) if comm is None else comm
+    comm = RingComm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     cur = (k.contiguous(), v.contiguous())
-    spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, plan.num_rounds))]
+    spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
     out_acc = lse_acc = None
 
     for t, step in enumerate(plan.steps):
@@ -89,16 +93,18 @@ def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm
 def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float,
                   comm: Optional[object] = None):
     """Gradients of ring_forward. Returns dq, dk, dv in the input dtypes."""
-    comm = RingComm(pg) if comm is None else comm
+    comm = RingComm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur = (k.contiguous(), v.contiguous())
-    spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, rounds))]
+    spare = comm.spare_buffers(list(cur), "kv") if rounds else []
     # Two dK/dV buffers: grads[t % 2] is added to and sent at step t; the other receives.
-    grads = [(torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))]
-    if rounds:
-        grads.append((torch.empty_like(grads[0][0]), torch.empty_like(grads[0][1])))
+    like = [torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device)]
+    grads = comm.spare_buffers(like, "grad") if rounds else [like]
+    del like
+    for g in grads[0]:
+        g.zero_()
     grad_cur, grad_works = grads[0], None
 
     for t, step in enumerate(plan.steps):
