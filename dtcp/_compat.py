@@ -24,6 +24,29 @@ def name_of_group(pg: "dist.ProcessGroup") -> str:
     return pg.group_name
 
 
+def new_high_priority_nccl_group(ranks: list[int]) -> "dist.ProcessGroup":
+    # ProcessGroupNCCL.Options(is_high_priority_stream=...) and new_group(pg_options=...,
+    # use_local_synchronization=...): checked on torch 2.11+cu130.
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return dist.new_group(ranks, backend="nccl", pg_options=opts, use_local_synchronization=True)
+
+
+def enable_symm_mem(group_name: str) -> None:
+    # torch.distributed._symmetric_memory: enable_symm_mem_for_group must precede rendezvous on
+    # torch 2.11 (checked on 2.11+cu130); later releases deprecate it as a no-op. The module
+    # and rendezvous/get_buffer exist in 2.11 and 2.13.
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group_name)
+
+
 # ---- local attention kernels (aten ops, not public API) ----------------------------------
 # aten._scaled_dot_product_flash_attention_for_cpu / _backward:
 #   checked on torch 2.13 (CPU): returns (out, logsumexp (B, H, L)); causal is top-left aligned.

@@ -224,9 +224,10 @@ class CudnnKernel(Kernel):
         _, bwd = _compat.cudnn_ops()
         lq, lk = q.shape[2], k.shape[2]
         no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # unused without dropout
-        # cuDNN wants grad_out laid out like out.
-        out = out.contiguous()
-        dout = dout.contiguous()
+        # cuDNN wants grad_out laid out like out. Slices of (B, H, L, D) tensors already agree;
+        # copy only when they don't.
+        if out.stride() != dout.stride():
+            out, dout = out.contiguous(), dout.contiguous()
         return bwd(
             dout, q, k, v, out, lse.float().contiguous().unsqueeze(-1), no_rng, no_rng, None, None, None,
             lq, lk, 0.0, hi is not None, scale=scale,

@@ -1,8 +1,9 @@
 """The ring itself: forward and backward loops over a `RingPlan`, on plain tensors.
 
 Forward: Q stays; K/V blocks travel one rank per step. The next block's transfer is issued
-before the current block's kernels so communication overlaps compute (NCCL runs on its own
-stream; gloo in its own threads). Partial results merge into float32 (out, lse) accumulators.
+before the current block's kernels so communication overlaps compute (on CUDA over the copy
+engines or a high-priority NCCL stream; gloo in its own threads). Partial results merge into
+float32 (out, lse) accumulators.
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
@@ -15,10 +16,16 @@ of a chain the accumulator is sent home, so each rank ends with the gradients of
 backward sends exactly as many dK/dV blocks as K/V blocks.
 
 Buffers: the caller's K/V are sent as they are and never written; two spare K/V buffers and two
-spare dK/dV buffers alternate, allocated once per call.
+dK/dV buffers alternate (symmetric-memory slots reused across calls when the copy engines carry
+the ring, else allocated once per call).
+
+`comm=NoComm()` runs the same kernels and merges with no communication, each step reusing the
+rank's own K/V: the benchmarks' "ideal" (see benchmarks/bench_attention.py).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,65 +35,97 @@ from .merge import merge_into_
 from .schedule import RingPlan
 
 
+class NoComm:
+    """Stand-in for RingComm that moves nothing: buffers stay as they are."""
+
+    @staticmethod
+    def spare_buffers(like, kind):
+        return [[torch.empty_like(t) for t in like] for _ in range(2)]
+
+    def exchange(self, send, recv, shift: int = 1, allow_ce: bool = True):
+        return None
+
+    @staticmethod
+    def wait(works) -> None:
+        pass
+
+
 def _rows(t0: int, t1: int):
     return (slice(None), slice(None), slice(t0, t1))
 
 
-def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float):
+def _covers_all_rows(step, local_len: int) -> bool:
+    return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
+
+
+def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm: Optional[object] = None):
     """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards.
     Returns out (B, Hq, L, D) in q.dtype and lse (B, Hq, L) float32 (float64 for float64)."""
-    comm = RingComm(pg)
+    comm = RingComm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     local = cur = (k.contiguous(), v.contiguous())
-    spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, plan.num_rounds))]
+    spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
+    out_acc = lse_acc = None
 
     for t, step in enumerate(plan.steps):
-        works, nxt = None, None
+        works = None
         if t < plan.num_rounds:
-            nxt = spare[t % 2]
-            works = _send_next_block(comm, plan, t, cur, local, nxt)
+            works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
         for task in step.tasks:
             qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale)
+            if out_acc is None and _covers_all_rows(step, q.shape[2]):
+                # First result covering every row: it *is* the running result (no merge needed).
+                # Contiguous, as the op's fake promises (Tensor.to returns self when the dtype
+                # already matches, whatever the strides).
+                out_acc = torch.empty(q.shape, dtype=acc, device=q.device).copy_(o)
+                lse_acc = l.to(acc).contiguous()
+                continue
+            if out_acc is None:
+                out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+                lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
             merge_into_(out_acc[qs], lse_acc[qs], o, l)
         if works is not None:
             comm.wait(works)
-            cur = nxt
+            cur = spare[t % 2]
+    if out_acc is None:  # no task at all: every row is padding
+        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
     return out_acc.to(q.dtype), lse_acc
 
 
-def _send_next_block(comm: RingComm, plan: RingPlan, t: int, cur, local, nxt) -> list:
+def _send_next_block(comm, plan: RingPlan, t: int, cur, local, nxt):
     """Start the K/V transfer for step t + 1: forward the block held, or at the start of a
     chain this rank's own block."""
     send = local if plan.starts_chain(t + 1) else cur
-    STATS.kv_rounds += 1
-    STATS.kv_bytes_sent += nbytes(send)
-    return comm.exchange(list(send), list(nxt), shift=plan.steps[t + 1].shift)
+    works = comm.exchange(list(send), list(nxt), shift=plan.steps[t + 1].shift)
+    if works is not None:
+        STATS.kv_rounds += 1
+        STATS.kv_bytes_sent += nbytes(send)
+    return works
 
 
-def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float):
+def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float,
+                  comm: Optional[object] = None):
     """Gradients of ring_forward. Returns dq, dk, dv in the input dtypes."""
-    comm = RingComm(pg)
+    comm = RingComm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     local = cur = (k.contiguous(), v.contiguous())
-    spare = [(torch.empty_like(cur[0]), torch.empty_like(cur[1])) for _ in range(min(2, rounds))]
+    spare = comm.spare_buffers(list(cur), "kv") if rounds else []
     # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
     home = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-    grad_bufs = [(torch.empty_like(home[0]), torch.empty_like(home[1])) for _ in range(3 if rounds else 0)]
+    grad_bufs = comm.spare_buffers(list(home), "grad") if rounds else []
     grad_works = None
 
     for t, step in enumerate(plan.steps):
-        kv_works, nxt = None, None
+        kv_works = None
         if t < rounds:
-            nxt = spare[t % 2]
-            kv_works = _send_next_block(comm, plan, t, cur, local, nxt)
+            kv_works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
         shares = []
         for task in step.tasks:
             qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
@@ -95,31 +134,36 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             )
             dq[qs] += dq_t
             shares.append((ks, dk_t, dv_t))
+            del dq_t, dk_t, dv_t
         if t == 0:
             grad = home
         else:
             grad = grad_bufs[t % 2]
-            if plan.starts_chain(t):
+            if plan.starts_chain(t) or isinstance(comm, NoComm):
                 grad[0].zero_()
                 grad[1].zero_()
             else:
                 comm.wait(grad_works)  # this block's travelling dK/dV has arrived in grad
+            grad_works = None
         for ks, dk_t, dv_t in shares:
             grad[0][ks] += dk_t
             grad[1][ks] += dv_t
-        if t > 0:
+        del shares
+        if t > 0 and not isinstance(comm, NoComm):
             STATS.grad_rounds += 1
             STATS.grad_bytes_sent += nbytes(grad)
             if t < rounds and not plan.starts_chain(t + 1):
                 # Pass it on to the block's next holder; it arrives while that rank computes.
                 grad_works = comm.exchange(list(grad), list(grad_bufs[(t + 1) % 2]), shift=step.shift)
             else:
-                # End of a chain: send it home (to the block's source) and take in our own.
-                back = grad_bufs[2]
-                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank))
+                # End of a chain: send it home (to the block's source) and take in our own. The
+                # other dK/dV buffer is free here (its last send was waited on in this step).
+                back = grad_bufs[(t + 1) % 2]
+                # The shift differs between ranks here, so it must not take the copy-engine path.
+                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank, allow_ce=False))
                 home[0].add_(back[0])
                 home[1].add_(back[1])
         if kv_works is not None:
             comm.wait(kv_works)
-            cur = nxt
+            cur = spare[t % 2]
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
