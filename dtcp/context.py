@@ -24,15 +24,14 @@ import contextlib
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import _compat
 from ._groups import group_rank, group_size
 from .api import ring_attention
 from .layouts import Layout, Zigzag, layout_from_spec
 
-# Both spellings are one builtin today; keep both in the set in case a release wraps one of them.
-_SDPA_FUNCS = frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})
+_SDPA_FUNCS = _compat.sdpa_functions()
 
 _DEFAULT_LAYOUT = Zigzag()
 

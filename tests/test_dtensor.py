@@ -145,3 +145,31 @@ def test_placement_errors():
     assert "multiple of 4" in msgs["length"], msgs
     assert "do not match" in msgs["mismatch"], msgs
     assert "same layout" in msgs["block_layout"], msgs
+
+
+def dtensor_tp_only_mesh():
+    """q/k/v DTensors on the tp sub-mesh only (Shard(1), heads), whose local sequences are the
+    block's cp shards: the ring runs over the block's group; placements Shard(3) raise."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = mesh_of((2, 2), ("tp", "cp"))
+    layout = dtcp.Zigzag()
+    q, k, v, _ = full_inputs(4, 2, 16, seed=7)
+    ref = reference_attention(q, k, v, is_causal=True)[0]
+    qd, kd, vd = (distribute_tensor(layout.shard(t, mesh["cp"], dim=2), mesh["tp"], [Shard(1)]) for t in (q, k, v))
+    with dtcp.context_parallel(mesh, mesh_dim="cp", layout=layout):
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        try:
+            bad = distribute_tensor(q, mesh["tp"], [Shard(3)])
+            F.scaled_dot_product_attention(bad, bad, bad)
+            msg = ""
+        except ValueError as e:
+            msg = str(e)
+    full = layout.unshard(out.full_tensor(), mesh["cp"], dim=2)
+    return {"err": rel_err(full, ref), "placements": tuple(out.placements) == (Shard(1),), "msg": msg}
+
+
+def test_dtensor_tp_only_mesh():
+    for r in run_ranks(4, dtensor_tp_only_mesh):
+        assert r["placements"] and r["err"] < 1e-10, r
+        assert "Shard(1) (heads)" in r["msg"], r
