@@ -17,7 +17,6 @@ parallelism (one process, same compile backend) and asserts that every step's lo
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
