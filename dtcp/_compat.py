@@ -67,3 +67,13 @@ def cudnn_ops():
         torch.ops.aten._scaled_dot_product_cudnn_attention.default,
         torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
     )
+
+
+# ---- the SDPA builtin ---------------------------------------------------------------------------
+# F.scaled_dot_product_attention is the builtin torch._C._nn.scaled_dot_product_attention, and a
+# name imported from torch.nn.functional is that same object. Checked on torch 2.11 and 2.13.
+# dtcp.context_parallel matches both in its TorchFunctionMode in case a release wraps one.
+def sdpa_functions() -> frozenset:
+    import torch.nn.functional as F
+
+    return frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})

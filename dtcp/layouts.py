@@ -15,8 +15,10 @@ Pictures for S = 16 tokens, N = 2 ranks (digits are global token positions):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -88,8 +90,23 @@ class Layout:
 
     # ---- identity ------------------------------------------------------------------------
     def spec(self) -> str:
-        """A string that names this layout exactly (travels through custom ops and configs)."""
+        """A string that names this layout exactly (travels through custom ops and configs).
+        `dim` (placement use only, see dtcp/dtensor.py) is not part of it."""
         return self.name
+
+    def __repr__(self) -> str:
+        # Leave `dim` out while unset, so messages read "Zigzag()" as before.
+        args = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if not (f.name == "dim" and self.dim is None)
+        ]
+        return f"{type(self).__name__}({', '.join(args)})"
+
+    def _check_dim(self) -> None:
+        dim = getattr(self, "dim", None)
+        if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
+            raise TypeError(f"{type(self).__name__}(dim=...) must be an int (the tensor dim it splits) or None; got {dim!r}")
 
 
 @lru_cache(maxsize=256)
@@ -98,11 +115,16 @@ def _positions_cached(layout: Layout, seq_len: int, world_size: int, rank: int) 
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Contiguous(Layout):
     """Rank r holds tokens [r*S/N, (r+1)*S/N). The natural layout for sliding windows."""
 
+    #: the tensor dim it splits, when used as a DTensor placement (dtcp.distribute_tensor); else None
+    dim: Optional[int] = dataclasses.field(default=None, kw_only=True)
     name = "contiguous"
+
+    def __post_init__(self):
+        self._check_dim()
 
     def multiple(self, world_size: int) -> int:
         return world_size
@@ -112,11 +134,16 @@ class Contiguous(Layout):
         return [(rank * m, (rank + 1) * m)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Zigzag(Layout):
     """2N equal chunks; rank r holds chunk r then chunk 2N-1-r. Balances causal work exactly."""
 
+    #: the tensor dim it splits, when used as a DTensor placement (dtcp.distribute_tensor); else None
+    dim: Optional[int] = dataclasses.field(default=None, kw_only=True)
     name = "zigzag"
+
+    def __post_init__(self):
+        self._check_dim()
 
     def multiple(self, world_size: int) -> int:
         return 2 * world_size
@@ -127,16 +154,19 @@ class Zigzag(Layout):
         return [(rank * c, (rank + 1) * c), (hi * c, (hi + 1) * c)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Striped(Layout):
     """Blocks of `block` tokens dealt round-robin: block i goes to rank i mod N."""
 
     block: int = 1
+    #: the tensor dim it splits, when used as a DTensor placement (dtcp.distribute_tensor); else None
+    dim: Optional[int] = dataclasses.field(default=None, kw_only=True)
     name = "striped"
 
     def __post_init__(self):
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"Striped(block=...) must be a positive int; got {self.block!r}")
+        self._check_dim()
 
     def multiple(self, world_size: int) -> int:
         return world_size * self.block

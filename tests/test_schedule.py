@@ -84,3 +84,10 @@ def test_layout_pictures_in_docs():
     assert dtcp.Striped(2).global_positions(16, 2, 1).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]
     assert dtcp.Striped().global_positions(16, 2, 0).tolist() == list(range(0, 16, 2))
     assert dtcp.layout_from_spec("striped:3") == dtcp.Striped(3)
+
+
+def test_layout_positional_arguments_are_not_dim():
+    # `dim` (placement use) is keyword-only: positional arguments keep their meaning.
+    assert dtcp.SlidingWindow(64).left == 64 and dtcp.SlidingWindow(64).dim is None
+    assert dtcp.Striped(2).block == 2 and dtcp.Striped(2).dim is None
+    assert dtcp.Zigzag(dim=1).dim == 1
