@@ -196,7 +196,7 @@ def check_window(window, what: str = "window_size") -> tuple[int, int]:
     return int(left), int(right)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SlidingWindow(Contiguous):
     """The contiguous placement carrying a sliding window: query i sees keys j with
     i - left <= j <= i + right (-1 = unbounded). `ring_attention(..., layout=SlidingWindow(4096))`
