@@ -90,7 +90,8 @@ class CopyEngineRing:
                                self.flag_handle.get_buffer(r, (_FLAGS,), torch.int32).data_ptr())
                            for r in range(self.world)}
         self.seq = [[0] * _NUM_SLOTS for _ in range(2)]  # per direction, per slot
-        self.streams = [torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)]
+        # one side stream per (direction, K/V or dK/dV), so a dK/dV send never delays a K/V one
+        self.streams = [[torch.cuda.Stream(device=device) for _ in range(2)] for _ in range(2)]
         torch.cuda.synchronize(device)
         dist.barrier(group=pg)
 
@@ -144,7 +145,7 @@ class CopyEngineRing:
         self.seq[direction][slot] += 1
         seq = self.seq[direction][slot]
         compute = torch.cuda.current_stream(self.device)
-        side = self.streams[direction]
+        side = self.streams[direction][slot // 2]
         side.wait_stream(compute)  # sources are ready; our previous uses of `recv` are enqueued
         # 1. our recv slot is free again (everything that read it is enqueued before this point)
         self.driver.write(side, self._flag_addr(prv, _flag_index(direction, 1, slot)), seq)
@@ -158,11 +159,20 @@ class CopyEngineRing:
         return (direction, slot, seq)
 
     def wait(self, pending: tuple) -> None:
+        """Make the current stream wait until the data of this exchange has arrived. It does not
+        wait for our own outgoing copy: slots are only rewritten after a later exchange frees
+        them, ordered behind that copy on its side stream. `drain` waits for the copies."""
         direction, slot, seq = pending
         compute = torch.cuda.current_stream(self.device)
         self.driver.wait(compute, self._flag_addr(self.rank, _flag_index(direction, 0, slot)), seq)
-        # The side stream's copies from our own buffers must finish before the caller reuses them.
-        compute.wait_stream(self.streams[direction])
+
+    def drain(self) -> None:
+        """Make the current stream wait for every outgoing copy (before the caller's tensors that
+        were sent may be changed, and at the end of each ring call)."""
+        compute = torch.cuda.current_stream(self.device)
+        for pair in self.streams:
+            for side in pair:
+                compute.wait_stream(side)
 
 
 def _aligned(n: int, a: int = 256) -> int:

@@ -57,12 +57,20 @@ class RingComm:
         """Start sending `send` to rank+shift and receiving `recv` from rank-shift. Returns the
         works; call `wait` before reading `recv` or writing `send`. Every rank must make the same
         choice of path: pass allow_ce=False where the shift differs between ranks."""
+        # Normalise the shift: ranks may name the same neighbour as +k or k - N.
+        n = self.world_size
+        shift = (shift + n // 2) % n - n // 2 if n > 1 else 0
         if allow_ce and self.ce is not None and abs(shift) == 1 and self.ce.slot_of(recv) >= 0:
             return [("ce", self.ce.exchange([t.contiguous() for t in send], recv, shift))]
         to, frm = self._peer(shift), self._peer(-shift)
         ops = [dist.P2POp(dist.isend, t, to, self.pg) for t in send]
         ops += [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv]
         return dist.batch_isend_irecv(ops)
+
+    def drain(self) -> None:
+        """Wait (on the current stream) for every outgoing copy-engine transfer."""
+        if self.ce is not None:
+            self.ce.drain()
 
     def wait(self, works: list) -> None:
         for w in works:

@@ -49,6 +49,10 @@ class NoComm:
     def wait(works) -> None:
         pass
 
+    @staticmethod
+    def drain() -> None:
+        pass
+
 
 def _rows(t0: int, t1: int):
     return (slice(None), slice(None), slice(t0, t1))
@@ -91,6 +95,7 @@ def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm
     if out_acc is None:  # no task at all: every row is padding
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    comm.drain()
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
@@ -140,6 +145,7 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
         else:
             grad = grad_bufs[t % 2]
             if plan.starts_chain(t) or isinstance(comm, NoComm):
+                comm.drain()  # the buffer may still be being sent from
                 grad[0].zero_()
                 grad[1].zero_()
             else:
@@ -159,11 +165,12 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
                 # End of a chain: send it home (to the block's source) and take in our own. The
                 # other dK/dV buffer is free here (its last send was waited on in this step).
                 back = grad_bufs[(t + 1) % 2]
-                # The shift differs between ranks here, so it must not take the copy-engine path.
-                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank, allow_ce=False))
+                # (src - rank is the same for every rank modulo N, so all take the same path.)
+                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank))
                 home[0].add_(back[0])
                 home[1].add_(back[1])
         if kv_works is not None:
             comm.wait(kv_works)
             cur = spare[t % 2]
+    comm.drain()
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
