@@ -303,13 +303,15 @@ _ARGS_CLASSES: dict[type, type] = {}
 
 
 def _dtcp_model_args(args):
-    """A copy of `args` whose update_from_config lets varlen (document-masked) flavors through
-    under CP, which torchtitan 0.2.2 refuses and dtcp serves."""
+    """A copy of `args` whose update_from_config (called by the trainer before it builds the
+    model) validates the [dtcp] section and lets varlen (document-masked) flavors through under
+    CP, which torchtitan 0.2.2 refuses and dtcp serves."""
     base = type(args)
     cls = _ARGS_CLASSES.get(base)
     if cls is None:
 
         def update_from_config(self, job_config, **kwargs):
+            dtcp_options(job_config)  # validate [dtcp] early, whatever the cp degree
             if job_config.parallelism.context_parallel_degree > 1 and getattr(self, "attn_type", None) == "varlen":
                 _check_document_masking_supported()
                 self.attn_type = "sdpa"  # hide it from torchtitan's own refusal
