@@ -1,0 +1,5 @@
+"""Integrations of dtcp with training frameworks.
+
+Each submodule imports its framework; import only the one you use, e.g.
+``dtcp.integrations.torchtitan`` (torchtitan 0.2.2, ``pip install "dtcp[torchtitan]"``).
+"""

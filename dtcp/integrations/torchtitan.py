@@ -1,0 +1,340 @@
+"""dtcp as the context parallelism of torchtitan 0.2.2, chosen in the job's TOML file.
+
+A job switches to dtcp by naming this module and a ``*_dtcp`` model, and sets dtcp's options in
+a ``[dtcp]`` section::
+
+    [job]
+    custom_config_module = "dtcp.integrations.torchtitan"   # adds the [dtcp] section
+
+    [experimental]
+    custom_import = "dtcp.integrations.torchtitan"          # registers the train spec "llama3_dtcp"
+
+    [model]
+    name = "llama3_dtcp"            # stock torchtitan llama3; dtcp runs its context parallelism
+    flavor = "debugmodel"           # or "debugmodel_varlen_attn" for document masking
+
+    [parallelism]
+    context_parallel_degree = 2
+
+    [dtcp]
+    layout = "zigzag"               # contiguous | zigzag | striped | striped:<block>
+    backend = "auto"                # auto | flash | cudnn | cpu_flash | math
+    window_size = -1                # sliding window (keys up to this many tokens back); -1: none
+
+What "llama3_dtcp" changes against torchtitan's "llama3" (everything else is the stock train
+spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
+
+* parallelize: every attention module's SDPA/varlen wrapper (``inner_attention``) becomes a
+  `DtcpRingAttention` over the ``cp`` dimension of torchtitan's device mesh, and torchtitan's
+  ``apply_cp_to_attention_module`` (PyTorch's experimental CP) is not applied. FSDP shards over
+  the ``fsdp`` mesh (dp_shard x cp) and TP over ``tp`` exactly as torchtitan does; compiled
+  blocks see one custom op per attention call and no graph breaks.
+* inputs: torchtitan's trainer shards (inputs, labels, positions) through
+  ``torchtitan.distributed.context_parallel.cp_shard``; for the cp mesh that dtcp owns this
+  shards them with the ``[dtcp] layout`` instead of torchtitan's load balancer (so
+  ``[parallelism] context_parallel_load_balancer`` is ignored), and RoPE sees global positions.
+* document masking: flavors with ``attn_type = "varlen"`` (torchtitan refuses them under CP) get
+  the packed batch's document boundaries, found from EOS tokens by torchtitan's own
+  ``create_varlen_metadata_for_document``, passed to dtcp's varlen ring as ``cu_seqlens``.
+
+With ``context_parallel_degree = 1`` the spec is exactly torchtitan's.
+"""
+
+# No `from __future__ import annotations` here: tyro (torchtitan's CLI parser) evaluates the
+# annotations of the [dtcp] dataclasses, and string annotations would not resolve.
+import copy
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import _compat
+
+_compat.make_torchtitan_importable()
+
+from torchtitan.models.attention import (  # noqa: E402
+    FlexAttentionWrapper,
+    ScaledDotProductAttentionWrapper,
+    VarlenAttentionWrapper,
+    VarlenMetadata,
+)
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+
+import dtcp  # noqa: E402
+from .._groups import group_size  # noqa: E402
+from ..kernels import KERNELS  # noqa: E402
+from ..layouts import Layout, layout_from_spec  # noqa: E402
+
+__all__ = [
+    "Dtcp",
+    "JobConfig",
+    "DtcpOptions",
+    "DtcpRingAttention",
+    "dtcp_options",
+    "apply_dtcp_to_attention",
+    "dtcp_train_spec",
+]
+
+
+# ---- the [dtcp] section of the job config ------------------------------------------------------
+@dataclass
+class Dtcp:
+    layout: str = "zigzag"
+    """How each sequence is split over the cp ranks: "contiguous", "zigzag" (balanced causal
+    work) or "striped" / "striped:<block>". The sequence length must be a multiple of 2*cp
+    (zigzag), cp (contiguous) or cp*block (striped)."""
+
+    backend: str = "auto"
+    """Local attention kernel: "auto" (fastest that serves the request), "flash", "cudnn",
+    "cpu_flash" or "math"."""
+
+    window_size: int = -1
+    """Sliding window: each token attends to itself and at most this many tokens before it.
+    -1 means no window (plain causal attention)."""
+
+
+@dataclass
+class JobConfig:
+    """Merged into torchtitan's JobConfig by ``job.custom_config_module``."""
+
+    dtcp: Dtcp = field(default_factory=Dtcp)
+
+
+@dataclass(frozen=True)
+class DtcpOptions:
+    """The validated [dtcp] section."""
+
+    layout: Layout
+    backend: str
+    window_size: Optional[tuple[int, int]]  # (left, right) for dtcp.ring_attention, None: no window
+
+
+def _ring_accepts(kwarg: str) -> bool:
+    return kwarg in inspect.signature(dtcp.ring_attention).parameters
+
+
+def dtcp_options(job_config) -> DtcpOptions:
+    """Validate the job's [dtcp] section (defaults where the job has none)."""
+    section = getattr(job_config, "dtcp", None) or Dtcp()
+    try:
+        layout = layout_from_spec(section.layout)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"[dtcp] layout = {section.layout!r}: {e}") from None
+    backends = ["auto", *sorted(KERNELS)]
+    if section.backend not in backends:
+        raise ValueError(f"[dtcp] backend = {section.backend!r}: use one of {backends}")
+    window = section.window_size
+    if not isinstance(window, int) or isinstance(window, bool) or window < -1:
+        raise ValueError(f"[dtcp] window_size = {window!r}: use -1 (no window) or a number of tokens >= 0")
+    if window >= 0 and not _ring_accepts("window_size"):
+        raise NotImplementedError(
+            f"[dtcp] window_size = {window} needs dtcp.ring_attention(window_size=...), which this "
+            f"dtcp {dtcp.__version__} does not have yet. Set window_size = -1."
+        )
+    return DtcpOptions(layout=layout, backend=section.backend, window_size=(window, 0) if window >= 0 else None)
+
+
+def _check_document_masking_supported() -> None:
+    if not _ring_accepts("cu_seqlens"):
+        raise NotImplementedError(
+            f"document masking under context parallelism (a flavor with attn_type='varlen') needs "
+            f"dtcp.ring_attention(cu_seqlens=...), dtcp's varlen ring, which this dtcp "
+            f"{dtcp.__version__} does not have yet. Use a flavor with attn_type='sdpa' (e.g. "
+            f"'debugmodel'), or context_parallel_degree = 1."
+        )
+
+
+# ---- attention ---------------------------------------------------------------------------------
+class DtcpRingAttention(nn.Module):
+    """Drop-in for torchtitan's ScaledDotProductAttentionWrapper / VarlenAttentionWrapper that
+    runs dtcp's ring over the context-parallel group. q, k, v: (B, H, S_local, D), this rank's
+    tokens in the layout's order."""
+
+    def __init__(self, group, options: DtcpOptions, document_masking: bool = False):
+        super().__init__()
+        self.group = group
+        self.layout = options.layout
+        self.backend = options.backend
+        self.window_size = options.window_size
+        self.document_masking = document_masking
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_masks: Optional[VarlenMetadata] = None,
+        *,
+        scale: Optional[float] = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+    ) -> torch.Tensor:
+        kwargs = {}
+        if self.window_size is not None:
+            kwargs["window_size"] = self.window_size
+        if self.document_masking:
+            if not isinstance(attention_masks, VarlenMetadata):
+                raise TypeError(
+                    f"DtcpRingAttention with document masking needs torchtitan's VarlenMetadata; got "
+                    f"{type(attention_masks).__name__}"
+                )
+            # Document starts over the whole (unsharded) batch flattened to B*S tokens, as
+            # torchtitan's create_varlen_metadata_for_document computes them from EOS tokens.
+            kwargs["cu_seqlens"] = attention_masks.cu_seq_q
+            enable_gqa = q.shape[1] != k.shape[1]  # torchtitan's varlen call does not pass it
+        elif attention_masks is not None:
+            raise TypeError(f"DtcpRingAttention got attention_masks of type {type(attention_masks).__name__}")
+        out = dtcp.ring_attention(
+            q, k, v, self.group,
+            layout=self.layout, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            backend=self.backend, **kwargs,
+        )
+        if self.document_masking:
+            # torchtitan's varlen path takes (B*S, H, D)-ordered output and views it as (B, S, -1).
+            return out.transpose(1, 2).contiguous()
+        return out
+
+    def extra_repr(self) -> str:
+        mask = "document" if self.document_masking else "causal"
+        return (
+            f"layout={self.layout.spec()}, backend={self.backend}, window_size={self.window_size}, "
+            f"mask={mask}, cp={group_size(self.group)}"
+        )
+
+
+def apply_dtcp_to_attention(model: nn.Module, cp_group, options: DtcpOptions) -> int:
+    """Replace every torchtitan SDPA/varlen attention wrapper in `model` by a DtcpRingAttention
+    over `cp_group`. Returns how many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        inner = getattr(parent, "inner_attention", None)
+        if inner is None:
+            continue
+        if isinstance(inner, FlexAttentionWrapper):
+            raise ValueError(
+                "dtcp serves torchtitan flavors with attn_type 'sdpa' (causal) and 'varlen' "
+                "(document masking); this model uses flex attention. Pick an sdpa or varlen flavor."
+            )
+        if isinstance(inner, ScaledDotProductAttentionWrapper):
+            document_masking = False
+        elif isinstance(inner, VarlenAttentionWrapper):
+            _check_document_masking_supported()
+            document_masking = True
+        else:
+            continue
+        parent.inner_attention = DtcpRingAttention(cp_group, options, document_masking)
+        replaced += 1
+    return replaced
+
+
+# ---- input sharding ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ShardPlan:
+    group_name: str
+    group: object
+    layout: Layout
+
+
+_PLANS: dict[str, _ShardPlan] = {}  # by cp group name
+
+
+def _dtcp_cp_shard(cp_mesh, inputs, attention_masks, load_balancer_type="headtail", input_seq_dim=1):
+    """torchtitan's cp_shard for the cp meshes dtcp owns: each tensor of `inputs` (inputs,
+    labels, positions) is sharded along `input_seq_dim` with the dtcp layout; document
+    boundaries (VarlenMetadata) stay global, as dtcp's varlen ring takes them."""
+    plan = _PLANS.get(_compat.name_of_group(cp_mesh.get_group()))
+    if plan is None:
+        return _dtcp_cp_shard.torchtitan_cp_shard(cp_mesh, inputs, attention_masks, load_balancer_type, input_seq_dim)
+    if attention_masks is not None and not isinstance(attention_masks, VarlenMetadata):
+        raise TypeError(
+            f"dtcp shards causal and document-masked (varlen) batches; got attention masks of type "
+            f"{type(attention_masks).__name__}"
+        )
+    sharded = tuple(
+        plan.layout.shard(t, plan.group, dim=input_seq_dim).contiguous() for t in inputs
+    )
+    return sharded, attention_masks
+
+
+def _own_cp_mesh(cp_mesh, layout: Layout) -> None:
+    group = cp_mesh.get_group()
+    name = _compat.name_of_group(group)
+    _PLANS[name] = _ShardPlan(name, group, layout)
+    _compat.patch_torchtitan_cp_shard(_dtcp_cp_shard)
+
+
+# ---- the train spec ----------------------------------------------------------------------------
+def _skip_torchtitan_cp(attention_modules, cp_mesh, attention_type) -> None:
+    """Stands in for torchtitan's apply_cp_to_attention_module while a dtcp spec parallelizes."""
+    others = [type(m).__name__ for m in attention_modules if not isinstance(m, DtcpRingAttention)]
+    if others:
+        raise RuntimeError(f"dtcp did not replace these attention modules: {sorted(set(others))}")
+    logger.info(f"Applied dtcp ring attention to {len(attention_modules)} attention modules")
+
+
+def _dtcp_parallelize(base_parallelize):
+    def parallelize(model: nn.Module, parallel_dims, job_config, *args, **kwargs):
+        if not parallel_dims.cp_enabled:
+            return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)
+        options = dtcp_options(job_config)
+        cp_mesh = parallel_dims.get_mesh("cp")
+        options.layout.check(job_config.training.seq_len, cp_mesh.size())
+        n = apply_dtcp_to_attention(model, cp_mesh.get_group(), options)
+        if n == 0:
+            raise RuntimeError(f"dtcp found no torchtitan attention wrapper to replace in {type(model).__name__}")
+        _own_cp_mesh(cp_mesh, options.layout)
+        logger.info(
+            f"dtcp: context parallelism over cp={cp_mesh.size()} with layout {options.layout.spec()}, "
+            f"backend {options.backend}, window {options.window_size}"
+        )
+        with _compat.replaced_global(base_parallelize, "apply_cp_to_attention_module", _skip_torchtitan_cp):
+            return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)
+
+    parallelize.__name__ = f"dtcp_{base_parallelize.__name__}"
+    parallelize.__qualname__ = parallelize.__name__
+    return parallelize
+
+
+_ARGS_CLASSES: dict[type, type] = {}
+
+
+def _dtcp_model_args(args):
+    """A copy of `args` whose update_from_config (called by the trainer before it builds the
+    model) validates the [dtcp] section and lets varlen (document-masked) flavors through under
+    CP, which torchtitan 0.2.2 refuses and dtcp serves."""
+    base = type(args)
+    cls = _ARGS_CLASSES.get(base)
+    if cls is None:
+
+        def update_from_config(self, job_config, **kwargs):
+            dtcp_options(job_config)  # validate [dtcp] early, whatever the cp degree
+            if job_config.parallelism.context_parallel_degree > 1 and getattr(self, "attn_type", None) == "varlen":
+                _check_document_masking_supported()
+                self.attn_type = "sdpa"  # hide it from torchtitan's own refusal
+                try:
+                    return base.update_from_config(self, job_config, **kwargs)
+                finally:
+                    self.attn_type = "varlen"
+            return base.update_from_config(self, job_config, **kwargs)
+
+        cls = type(f"Dtcp{base.__name__}", (base,), {"update_from_config": update_from_config})
+        cls = dataclass(cls)
+        _ARGS_CLASSES[base] = cls
+    return cls(**{f.name: copy.deepcopy(getattr(args, f.name)) for f in dataclasses.fields(args) if f.init})
+
+
+def dtcp_train_spec(base_name: str = "llama3") -> TrainSpec:
+    """torchtitan's train spec `base_name` with dtcp as its context parallelism."""
+    base = get_train_spec(base_name)
+    return dataclasses.replace(
+        base,
+        model_args={flavor: _dtcp_model_args(a) for flavor, a in base.model_args.items()},
+        parallelize_fn=_dtcp_parallelize(base.parallelize_fn),
+    )
+
+
+register_train_spec("llama3_dtcp", dtcp_train_spec("llama3"))

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Loss and speed comparison on 2 GPUs: CP=1 vs CP=2 with dtcp vs CP=2 with torchtitan's own CP.
+#
+#   bash examples/torchtitan/run_gpu_comparison.sh eager      # seed + cp1, dtcp_cp2, titan_cp2
+#   bash examples/torchtitan/run_gpu_comparison.sh compile    # seed + the same with --compile.enable
+#   bash examples/torchtitan/run_gpu_comparison.sh docmask    # seed + document-masked cp1, dtcp_cp2, titan_cp2
+#
+# Run from the repository root with the wheels of download_wheels.sh in .whl/ (and .whl-arrow/
+# where the machine lacks pyarrow/pandas). Every run starts from one seed checkpoint made on one
+# GPU, reads the same batches (CP=1 on 1 GPU, CP=2 on 2 GPUs: data-parallel degree 1 in both) and
+# trains 20 steps in bf16 (FSDP/autocast, torchtitan's defaults). Logs (rank 0) go to
+# $LOGS (default $OUT/logs if $OUT is set, else examples/torchtitan/outputs/logs);
+# compare_losses.py prints the loss columns and tokens/s and exits 1 if a check fails.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-eager}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HOME=${HF_HOME:-/tmp/hf_home}
+DUMP=examples/torchtitan/outputs
+LOGS=${LOGS:-${OUT:+$OUT/logs}}
+LOGS=${LOGS:-$DUMP/logs}
+mkdir -p "$LOGS"
+
+wheel_dirs=(); for d in .whl .whl-arrow; do [ -d "$d" ] && wheel_dirs+=("$d"); done
+python examples/torchtitan/install_wheels.py "${wheel_dirs[@]}" || exit 1
+python examples/torchtitan/make_assets.py || exit 1
+
+CFG=examples/torchtitan/llama3_debug_cp2.toml
+run() {  # run NAME NGPU [torchtitan args...]
+  local name=$1 ngpu=$2; shift 2
+  local t0=$SECONDS
+  torchrun --standalone --nproc-per-node "$ngpu" --role rank --tee 3 --local-ranks-filter 0 \
+    -m torchtitan.train --job.config_file "$CFG" --job.dump_folder "$DUMP/$name" "$@" \
+    > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - t0)) s, last: $(grep -o 'step:.*' "$LOGS/$name.log" | tail -1)"
+  [ $rc -eq 0 ] || grep -E "Error|error:|Exception" "$LOGS/$name.log" | grep -v "^\s*$" | tail -4
+  return 0
+}
+
+SEED=$DUMP/seed/checkpoint/step-0
+if [ ! -d "$SEED" ]; then
+  run seed 1 --parallelism.context_parallel_degree 1 --parallelism.data_parallel_shard_degree 1 \
+    --checkpoint.enable --checkpoint.create_seed_checkpoint
+fi
+LOAD=(--checkpoint.enable --checkpoint.load_only --checkpoint.initial_load_path "$SEED")
+CP1=(--parallelism.context_parallel_degree 1)
+TITAN=(--model.name llama3)   # torchtitan's own CP (PyTorch experimental context_parallel, head-tail balancer)
+
+case $what in
+  eager)
+    run cp1 1 "${CP1[@]}" "${LOAD[@]}"
+    run dtcp_cp2 2 "${LOAD[@]}"
+    run titan_cp2 2 "${TITAN[@]}" "${LOAD[@]}"
+    python examples/torchtitan/compare_losses.py cp1="$LOGS/cp1.log" dtcp_cp2="$LOGS/dtcp_cp2.log" \
+      titan_cp2="$LOGS/titan_cp2.log" --faster-than dtcp_cp2=titan_cp2
+    ;;
+  compile)
+    C=(--compile.enable)
+    run cp1_compile 1 "${CP1[@]}" "${C[@]}" "${LOAD[@]}"
+    run dtcp_cp2_compile 2 "${C[@]}" "${LOAD[@]}"
+    run titan_cp2_compile 2 "${TITAN[@]}" "${C[@]}" "${LOAD[@]}"
+    python examples/torchtitan/compare_losses.py cp1_compile="$LOGS/cp1_compile.log" \
+      dtcp_cp2_compile="$LOGS/dtcp_cp2_compile.log" titan_cp2_compile="$LOGS/titan_cp2_compile.log" \
+      --faster-than dtcp_cp2_compile=titan_cp2_compile
+    ;;
+  docmask)
+    CFG=examples/torchtitan/llama3_debug_cp2_docmask.toml
+    run cp1_doc 1 "${CP1[@]}" "${LOAD[@]}"            # torchtitan's varlen attention, one GPU
+    run dtcp_cp2_doc 2 "${LOAD[@]}"                   # needs dtcp's varlen ring (cu_seqlens)
+    run titan_cp2_doc 2 "${TITAN[@]}" "${LOAD[@]}"    # torchtitan 0.2.2 refuses CP with varlen
+    python examples/torchtitan/compare_losses.py cp1_doc="$LOGS/cp1_doc.log" dtcp_cp2_doc="$LOGS/dtcp_cp2_doc.log"
+    ;;
+  *) echo "usage: $0 eager|compile|docmask" >&2; exit 2 ;;
+esac

@@ -1,0 +1,327 @@
+"""dtcp.integrations.torchtitan against torchtitan 0.2.2 (installed by `pip install -e ".[dev,torchtitan]"`).
+
+torchtitan's Trainer itself does not run on a CPU-only machine: torchtitan.tools.utils picks
+device_type "cuda" when no accelerator exists, Trainer.__init__ calls torch.cuda.set_device and
+init_distributed picks NCCL. So these tests drive the trainer's own pieces on gloo ranks: the
+config manager, the registered train spec (its parallelize_fn: dtcp attention + FSDP over the cp
+mesh, optionally torch.compile), Trainer.post_dataloading_process (torchtitan's input sharding,
+routed to dtcp's layout), the loss function, and compare loss and gradients with the same model
+on one process without CP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+import dtcp.integrations.torchtitan as dt
+from dist_harness import run_ranks
+from reference import rel_err
+
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import get_train_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples", "torchtitan")
+CONFIGS = ["llama3_debug_cp2.toml", "llama3_debug_cp2_compile.toml", "llama3_debug_cp2_docmask.toml"]
+
+
+def parse(*args: str):
+    return ConfigManager().parse_args(list(args))
+
+
+# ---- config ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", CONFIGS)
+def test_example_configs_parse(name):
+    cfg = parse("--job.config_file", os.path.join(EXAMPLES, name))
+    assert cfg.model.name == "llama3_dtcp"
+    assert cfg.parallelism.context_parallel_degree == 2
+    assert cfg.experimental.custom_import == "dtcp.integrations.torchtitan"
+    assert (cfg.dtcp.layout, cfg.dtcp.backend, cfg.dtcp.window_size) == ("zigzag", "auto", -1)
+    assert cfg.compile.enable == ("compile" in name)
+    assert cfg.model.flavor == ("debugmodel_varlen_attn" if "docmask" in name else "debugmodel")
+    opts = dt.dtcp_options(cfg)
+    assert opts == dt.DtcpOptions(layout=dtcp.Zigzag(), backend="auto", window_size=None)
+
+
+def test_cli_overrides_and_defaults():
+    cfg = parse(
+        "--job.config_file", os.path.join(EXAMPLES, CONFIGS[0]),
+        "--dtcp.layout", "striped:4", "--dtcp.backend", "math",
+    )
+    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Striped(4), "math", None)
+    # The section exists with its defaults whenever the custom config module is named.
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan")
+    assert cfg.dtcp == dt.Dtcp()
+    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Zigzag(), "auto", None)
+    # Without it, torchtitan knows no [dtcp] section and dtcp uses the defaults.
+    assert dt.dtcp_options(parse()) == dt.DtcpOptions(dtcp.Zigzag(), "auto", None)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("layout", "diagonal", r"\[dtcp\] layout = 'diagonal'"),
+        ("backend", "fast", r"\[dtcp\] backend = 'fast': use one of \['auto', "),
+        ("window_size", -2, r"\[dtcp\] window_size = -2"),
+    ],
+)
+def test_bad_options_name_the_key(field, value, match):
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan")
+    setattr(cfg.dtcp, field, value)
+    with pytest.raises(ValueError, match=match):
+        dt.dtcp_options(cfg)
+
+
+def test_window_size_needs_the_window_ring():
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan", "--dtcp.window_size", "128")
+    if dt._ring_accepts("window_size"):
+        assert dt.dtcp_options(cfg).window_size == (128, 0)
+    else:
+        with pytest.raises(NotImplementedError, match=r"window_size = 128 needs dtcp.ring_attention\(window_size"):
+            dt.dtcp_options(cfg)
+
+
+# ---- the train spec ----------------------------------------------------------------------------
+def test_train_spec_is_llama3_with_dtcp_parallelize():
+    spec, base = get_train_spec("llama3_dtcp"), get_train_spec("llama3")
+    for f in ("model_cls", "pipelining_fn", "build_optimizers_fn", "build_dataloader_fn", "build_tokenizer_fn",
+              "build_loss_fn", "build_validator_fn", "state_dict_adapter"):
+        assert getattr(spec, f) is getattr(base, f), f
+    assert spec.parallelize_fn.__name__ == "dtcp_parallelize_llama"
+    assert set(spec.model_args) == set(base.model_args)
+    for flavor, args in base.model_args.items():
+        ours = spec.model_args[flavor]
+        assert isinstance(ours, type(args)) and ours is not args
+        assert dataclasses.asdict(ours) == dataclasses.asdict(args), flavor
+
+
+def test_document_masked_flavor_under_cp():
+    cfg = parse("--job.config_file", os.path.join(EXAMPLES, "llama3_debug_cp2_docmask.toml"))
+    with pytest.raises(NotImplementedError, match="Varlen attention is not supported with CP"):
+        get_train_spec("llama3").model_args["debugmodel_varlen_attn"].update_from_config(cfg)  # torchtitan's own
+    ours = get_train_spec("llama3_dtcp").model_args["debugmodel_varlen_attn"]
+    if dt._ring_accepts("cu_seqlens"):
+        ours.update_from_config(cfg)
+        assert ours.attn_type == "varlen" and ours.max_seq_len == cfg.training.seq_len
+    else:
+        with pytest.raises(NotImplementedError, match=r"needs dtcp.ring_attention\(cu_seqlens=...\)"):
+            ours.update_from_config(cfg)
+    assert ours.attn_type == "varlen"
+
+
+# ---- on 2 gloo ranks: the model --------------------------------------------------------------
+SEQ, BATCH, VOCAB = 64, 2, 128
+
+
+def tiny_args(**kw):
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+    kw = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, rope_theta=500000, max_seq_len=SEQ) | kw
+    return TransformerModelArgs(**kw)
+
+
+def tiny_model(dtype, seed=0):
+    from torchtitan.models.llama3 import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(tiny_args())
+    with torch.no_grad():  # as torchtitan's Trainer does
+        model.init_weights()
+    return model.to(dtype)
+
+
+def tokens_and_labels(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def single_process_reference(dtype):
+    """Loss sum / tokens and parameter gradients of the model without CP, whole sequences."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    model = tiny_model(dtype)
+    inputs, labels = tokens_and_labels()
+    loss = cross_entropy_loss(model(inputs), labels) / labels.numel()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def worker_attention_swap(layout_spec, dtype_name):
+    """float64: replace the attention of the stock llama3 model, shard the batch with torchtitan's
+    prepare_context_parallel_input (routed to dtcp), compare loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    dtype = getattr(torch, dtype_name)
+    cp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    options = dt.DtcpOptions(dtcp.layout_from_spec(layout_spec), "auto", None)
+
+    model = tiny_model(dtype)
+    n = dt.apply_dtcp_to_attention(model, cp_mesh.get_group(), options)
+    kinds = {type(layer.attention.inner_attention) for layer in model.layers.values()}
+    dt._own_cp_mesh(cp_mesh, options.layout)
+
+    inputs, labels = tokens_and_labels()
+    inputs_l, labels_l, extra = prepare_context_parallel_input(inputs, labels, {}, cp_mesh, torch.device("cpu"))
+    expected_pos = options.layout.positions(SEQ, cp_mesh.get_group())
+    assert torch.equal(extra["positions"], expected_pos.to(torch.int32).expand(BATCH, -1)), extra["positions"]
+    assert torch.equal(inputs_l, options.layout.shard(inputs, cp_mesh.get_group(), dim=1))
+
+    loss = cross_entropy_loss(model(inputs_l, **extra), labels_l) / labels.numel()
+    loss.backward()
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+    ref_loss, ref_grads = single_process_reference(dtype)
+    errs = {"loss": rel_err(loss_sum, ref_loss)}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        errs[name] = rel_err(g, ref_grads[name])
+    return {"replaced": n, "kinds": sorted(k.__name__ for k in kinds), "errs": errs}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped:1", "striped:2"])
+def test_llama3_attention_swap_equals_no_cp_float64(layout):
+    for r in run_ranks(2, worker_attention_swap, layout, "float64", timeout=300):
+        assert r["replaced"] == 2 and r["kinds"] == ["DtcpRingAttention"], r
+        grads = {k: v for k, v in r["errs"].items() if k != "loss"}
+        worst = max(grads.items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-12, (worst, grads)
+        # torchtitan's cross_entropy_loss computes in float32 (pred.float()) and sums in another
+        # order over two shards: float32 rounding, not float64.
+        assert r["errs"]["loss"] < 1e-6, r["errs"]["loss"]
+
+
+def worker_torchtitan_pieces(compile_backend, layout):
+    """float32 through torchtitan's pieces: ParallelDims meshes, the llama3_dtcp train spec's
+    parallelize_fn (dtcp attention, FSDP over the cp mesh, optionally torch.compile per block),
+    Trainer.post_dataloading_process and the spec's loss function."""
+    import torchtitan.distributed.parallel_dims as pd
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.train import Trainer
+
+    pd.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator exists
+    args = ["--job.custom_config_module", "dtcp.integrations.torchtitan",
+            "--model.name", "llama3_dtcp", "--parallelism.context_parallel_degree", "2",
+            "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
+            "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+            "--dtcp.layout", layout]
+    if compile_backend:
+        args += ["--compile.enable", "--compile.backend", compile_backend]
+    cfg = parse(*args)
+    parallel_dims = ParallelDims(dp_shard=-1, dp_replicate=1, cp=2, tp=1, pp=1, ep=1, etp=1,
+                                 world_size=dist.get_world_size())
+    parallel_dims.build_mesh()
+    spec = get_train_spec(cfg.model.name)
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(torch.float32)
+    model = spec.parallelize_fn(model, parallel_dims, cfg)
+    for m in model.modules():
+        # torchtitan sets gradient_divide_factor=1.0, which FSDP reduces with PREMUL_SUM;
+        # gloo lacks PREMUL_SUM. A plain SUM (times 1.0) is the same reduction.
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    kinds = sorted({type(layer.attention.inner_attention).__name__ for layer in model.layers.values()})
+    loss_fn = spec.build_loss_fn(cfg, parallel_dims=parallel_dims)
+
+    trainer = types.SimpleNamespace(
+        model_args=model.model_args, parallel_dims=parallel_dims, job_config=cfg, tokenizer=None,
+        model_parts=[model], device=torch.device("cpu"),
+    )
+    inputs, labels = tokens_and_labels()
+    inputs_l, labels_l, extra_inputs, extra_kwargs = Trainer.post_dataloading_process(
+        trainer, {"input": inputs}, labels
+    )
+    loss = loss_fn(model(inputs_l, **extra_inputs, **extra_kwargs), labels_l) / labels.numel()
+    loss.backward()
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+
+    ref_loss, ref_grads = single_process_reference(torch.float32)
+    errs = {"loss": rel_err(loss_sum, ref_loss)}
+    for name, p in model.named_parameters():
+        errs[name] = rel_err(p.grad.full_tensor(), ref_grads[name.replace("._orig_mod", "")])
+    return {
+        "kinds": kinds, "local_len": inputs_l.shape[1], "errs": errs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compiled_frames": counters["stats"]["unique_graphs"],
+    }
+
+
+# striped:2 differs from torchtitan's own (head-tail) sharding, so the batch must go through dtcp's.
+@pytest.mark.parametrize("compile_backend, layout", [(None, "striped:2"), ("aot_eager", "zigzag")])
+def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout):
+    for r in run_ranks(2, worker_torchtitan_pieces, compile_backend, layout, timeout=600):
+        assert r["kinds"] == ["DtcpRingAttention"] and r["local_len"] == SEQ // 2, r
+        worst = max(r["errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 2e-6, (worst, r["errs"])  # float32 (FSDP params and grads in float32)
+        assert r["graph_breaks"] == 0, r
+        if compile_backend:
+            assert r["compiled_frames"] >= 2, r  # the blocks (and the loss) were compiled
+
+
+# ---- torchtitan's own trainer, end to end, from the example TOML ------------------------------
+def _train(tmp_path, name, nproc, *args):
+    import subprocess
+    import sys
+
+    log = tmp_path / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--role", "rank", "--tee", "3", "--local-ranks-filter", "0",
+           os.path.join(ROOT, "tests", "torchtitan_cpu_train.py"),
+           "--job.config_file", os.path.join(EXAMPLES, "llama3_debug_cp2.toml"),
+           "--job.dump_folder", str(tmp_path / name), "--training.steps", "3", "--training.seq_len", "128",
+           "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+           "--model.hf_assets_path", str(tmp_path / "assets" / "tokenizer"),
+           "--training.dataset_path", str(tmp_path / "assets" / "c4_tiny"), *args]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert rc == 0, log.read_text()[-4000:]
+    return str(log)
+
+
+def test_torchtitan_trainer_cp2_dtcp_matches_cp1(tmp_path):
+    """The example TOML through torchtitan's trainer (on CPU, see torchtitan_cpu_train.py): a seed
+    checkpoint, then CP=1 on one rank and CP=2 with dtcp (striped:1) on two; float32 losses agree."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, os.path.join(EXAMPLES, "make_assets.py"), "--out", str(tmp_path / "assets")],
+                   check=True, capture_output=True)
+    _train(tmp_path, "seed", 1, "--parallelism.context_parallel_degree", "1",
+           "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    load = ["--checkpoint.enable", "--checkpoint.load_only",
+            "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0")]
+    cp1 = _train(tmp_path, "cp1", 1, "--parallelism.context_parallel_degree", "1", *load)
+    cp2 = _train(tmp_path, "cp2", 2, "--dtcp.layout", "striped:1", *load)
+
+    sys.path.insert(0, EXAMPLES)
+    from compare_losses import read_log
+
+    a, b = read_log(cp1), read_log(cp2)
+    assert sorted(a) == sorted(b) == [1, 2, 3], (a, b)
+    for step in a:  # the logs print 5 decimals: 1e-5 of a loss near 8 is the print resolution
+        assert abs(a[step][0] - b[step][0]) <= 1e-5 * abs(a[step][0]) + 1e-5, (step, a, b)
+    assert "Applied dtcp ring attention to 6 attention modules" in open(cp2).read()
+
+
+def test_bad_dtcp_section_fails_before_the_model_is_built():
+    # The trainer calls model_args.update_from_config first: bad keys fail there, at any cp degree.
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan", "--dtcp.layout", "spiral")
+    with pytest.raises(ValueError, match=r"\[dtcp\] layout = 'spiral'"):
+        get_train_spec("llama3_dtcp").model_args["debugmodel"].update_from_config(cfg)

@@ -1,0 +1,57 @@
+"""torchtitan 0.2.2's own trainer (`torchtitan.train.main`) on CPU with gloo, for tests.
+
+    torchrun --nproc-per-node 2 tests/torchtitan_cpu_train.py --job.config_file ... [torchtitan args]
+
+torchtitan 0.2.2 cannot train on a CPU-only machine as shipped: torchtitan.tools.utils picks
+device_type "cuda" when no accelerator exists (so Trainer.__init__ calls torch.cuda.set_device and
+init_distributed picks NCCL), the metrics' memory monitor and set_pg_timeouts call CUDA-only device
+functions, and FSDP's gradient reduction with torchtitan's gradient_divide_factor=1.0 uses
+ReduceOp.PREMUL_SUM, which gloo lacks. This launcher points those at the CPU (a plain SUM times
+1.0 is the same reduction) and then runs the unmodified trainer.
+"""
+
+import types
+
+import torch
+
+from dtcp import _compat
+
+_compat.make_torchtitan_importable()
+
+import torchtitan.components.metrics as metrics  # noqa: E402
+import torchtitan.distributed.parallel_dims as parallel_dims  # noqa: E402
+import torchtitan.distributed.utils as dist_utils  # noqa: E402
+import torchtitan.models.llama3.infra.parallelize as llama3_parallelize  # noqa: E402
+import torchtitan.tools.utils as tt_utils  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
+parallel_dims.device_type = "cpu"
+metrics.device_type = "cpu"
+metrics.device_module = types.SimpleNamespace(
+    get_device_name=lambda device=None: "cpu",
+    current_device=lambda: 0,
+    get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=2**34),
+    memory_stats=lambda device=None: {
+        "active_bytes.all.peak": 0, "reserved_bytes.all.peak": 0, "num_alloc_retries": 0, "num_ooms": 0,
+    },
+    reset_peak_memory_stats=lambda device=None: None,
+    empty_cache=lambda: None,
+)
+dist_utils.device_type = "cpu"
+dist_utils.set_pg_timeouts = lambda *args, **kwargs: None
+
+
+def _sum_gradients(model):
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+llama3_parallelize.disable_fsdp_gradient_division = _sum_gradients
+
+if __name__ == "__main__":
+    import torchtitan.train
+
+    torchtitan.train.main(torchtitan.train.Trainer)
