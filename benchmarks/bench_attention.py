@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import dtcp
+from _setup import init_distributed
 from dtcp import ops
 from dtcp.kernels import default_scale
 from dtcp.ring import NoComm, ring_backward, ring_forward
@@ -234,11 +234,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="measure NCCL/compute kernel overlap of dtcp fwd+bwd")
     args = p.parse_args()
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = args.backends or (["cudnn"] if device.type == "cuda" else ["cpu_flash"])

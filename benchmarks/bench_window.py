@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import dtcp
+from _setup import init_distributed
 from dtcp.kernels import default_scale, select_kernel
 from dtcp.merge import merge_into_
 from dtcp.ops import _plans
@@ -116,7 +116,6 @@ def local_compute(q, k, v, dout, plan, kernel, scale):
 
 def check_small(device, dtype, backend, heads, kv_heads, head_dim):
     """Windowed ring with `backend` vs backend='math' on the same inputs (short sequence)."""
-    n = dist.get_world_size()
     m = 384 if device.type == "cuda" else 24
     worst = 0.0
     for window, causal in (((700 if device.type == "cuda" else 40, 0), True), ((m // 3, m + 5), False), ((m - 1, 0), True)):
@@ -136,11 +135,7 @@ def check_small(device, dtype, backend, heads, kv_heads, head_dim):
 
 def main():
     args = parse()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_distributed(args.device)
     n, rank = dist.get_world_size(), dist.get_rank()
     dtype = getattr(torch, args.dtype)
     hkv = args.kv_heads or args.heads

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 import dtcp
+from _setup import init_distributed
 from dtcp.kernels import default_scale, select_kernel
 from dtcp.schedule import Task
 
@@ -91,11 +91,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_distributed(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     backends = args.backends or (["flash", "cudnn"] if device.type == "cuda" else ["cpu_flash"])
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -64,3 +64,16 @@ def window_doc_mask(s, *, is_causal=False, window=(-1, -1), cu_seqlens=None, seg
             doc[a:b] = n
         keep &= (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
     return keep
+
+
+def error_messages_of(cases: dict) -> dict:
+    """Call each case; map its name to the ValueError/TypeError message it raised, or None."""
+    messages = {}
+    for name, call in cases.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = None
+    return messages

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import dtcp
 from dist_harness import run_ranks
+from reference import error_messages_of
 from dtcp import _groups
 
 
@@ -55,15 +56,7 @@ def error_messages():
         "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True),
         "striped_zero": lambda: dtcp.Striped(0),
     }
-    messages = {}
-    for name, call in cases.items():
-        try:
-            call()
-        except (ValueError, TypeError) as e:
-            messages[name] = str(e)
-        else:
-            messages[name] = None
-    return messages
+    return error_messages_of(cases)
 
 
 EXPECTED = {
