@@ -140,3 +140,18 @@ def unshard_grad(layout_spec):
 @pytest.mark.parametrize("layout", LAYOUTS[:3])
 def test_unshard_gradients(layout):
     assert all(run_ranks(2, unshard_grad, layout))
+
+
+def test_error_does_not_grow_with_ring_size():
+    """float32, cpu_flash, the same problem split over 2, 4 and 8 ranks: every rank's error stays
+    within 1.5x the kernel's own error on its rows, and the worst error at 8 ranks stays within
+    1.5x the worst at 2 ranks (ring libraries whose error grows with N fail this)."""
+    worst = {}
+    for n in (2, 4, 8):
+        results = run_ranks(n, ring_errors, "zigzag", True, 1, 4, 2, 256, 32, "float32", "cpu_flash")
+        for key in ("out", "lse", "dq", "dk", "dv"):
+            ratios = [r[key] / r["kernel"][key] for r in results]
+            assert max(ratios) <= 1.5, (n, key, ratios)
+        worst[n] = {key: max(r[key] for r in results) for key in ("out", "dq", "dk", "dv")}
+    for key in ("out", "dq", "dk", "dv"):
+        assert worst[8][key] <= 1.5 * worst[2][key], (key, worst)
