@@ -79,13 +79,11 @@ def test_bad_options_name_the_key(field, value, match):
         dt.dtcp_options(cfg)
 
 
-def test_window_size_needs_the_window_ring():
+def test_window_size_option():
     cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan", "--dtcp.window_size", "128")
-    if dt._ring_accepts("window_size"):
-        assert dt.dtcp_options(cfg).window_size == (128, 0)
-    else:
-        with pytest.raises(NotImplementedError, match=r"window_size = 128 needs dtcp.ring_attention\(window_size"):
-            dt.dtcp_options(cfg)
+    assert dt.dtcp_options(cfg).window_size == (128, 0)
+    cfg.dtcp.window_size = 0  # each token sees itself only
+    assert dt.dtcp_options(cfg).window_size == (0, 0)
 
 
 # ---- the train spec ----------------------------------------------------------------------------
@@ -107,13 +105,32 @@ def test_document_masked_flavor_under_cp():
     with pytest.raises(NotImplementedError, match="Varlen attention is not supported with CP"):
         get_train_spec("llama3").model_args["debugmodel_varlen_attn"].update_from_config(cfg)  # torchtitan's own
     ours = get_train_spec("llama3_dtcp").model_args["debugmodel_varlen_attn"]
-    if dt._ring_accepts("cu_seqlens"):
-        ours.update_from_config(cfg)
-        assert ours.attn_type == "varlen" and ours.max_seq_len == cfg.training.seq_len
-    else:
-        with pytest.raises(NotImplementedError, match=r"needs dtcp.ring_attention\(cu_seqlens=...\)"):
-            ours.update_from_config(cfg)
-    assert ours.attn_type == "varlen"
+    ours.update_from_config(cfg)
+    assert ours.attn_type == "varlen" and ours.attn_mask_type == "block_causal"
+    assert ours.max_seq_len == cfg.training.seq_len
+
+
+def test_row_cu_seqlens_from_torchtitan_metadata():
+    """torchtitan's boundaries over the flattened B*S batch -> each row's own (0, ..., S)."""
+    from torchtitan.models.attention import create_varlen_metadata_for_document
+
+    from dtcp.ops import segments_from_cu_seqlens
+
+    S, eos = 16, 0
+    batch = torch.ones(4, S, dtype=torch.long)
+    eos_at = [[3, 9], [], [0, 15], [7]]  # an EOS as first and as last token; a row of one document
+    for b, positions in enumerate(eos_at):
+        batch[b, positions] = eos
+    cu = create_varlen_metadata_for_document(batch, eos).cu_seq_q
+    assert cu.dtype == torch.int32 and int(cu[-1]) == 4 * S
+    for b, positions in enumerate(eos_at):
+        row = dt.row_cu_seqlens(cu, b, S)
+        assert row.shape == cu.shape and row.dtype == torch.int32
+        starts = sorted({0, *(p + 1 for p in positions if p + 1 < S)})
+        expected = tuple(zip(starts, starts[1:] + [S]))
+        assert segments_from_cu_seqlens(tuple(row.tolist()), S) == expected, (b, row)
+    one = create_varlen_metadata_for_document(batch[2:3], eos).cu_seq_q  # B == 1: as it is
+    assert torch.equal(dt.row_cu_seqlens(one, 0, S), one)
 
 
 # ---- on 2 gloo ranks: the model --------------------------------------------------------------
@@ -127,14 +144,17 @@ def tiny_args(**kw):
     return TransformerModelArgs(**kw)
 
 
-def tiny_model(dtype, seed=0):
+def tiny_model(dtype, seed=0, **args):
     from torchtitan.models.llama3 import Transformer
 
     torch.manual_seed(seed)
-    model = Transformer(tiny_args())
+    model = Transformer(tiny_args(**args))
     with torch.no_grad():  # as torchtitan's Trainer does
         model.init_weights()
-    return model.to(dtype)
+    freqs_cis = model.freqs_cis  # complex64: Module.to(float64) would keep only its real part
+    model = model.to(dtype)
+    model.freqs_cis = freqs_cis
+    return model
 
 
 def tokens_and_labels(seed=1):
@@ -201,10 +221,175 @@ def test_llama3_attention_swap_equals_no_cp_float64(layout):
         assert r["errs"]["loss"] < 1e-6, r["errs"]["loss"]
 
 
-def worker_torchtitan_pieces(compile_backend, layout):
+# ---- document masking and sliding windows, against a dense reference --------------------------
+EOS, DOC_BATCH = 0, 3
+# Per row: where the EOS tokens are (a new document starts after each). Documents cross the
+# shard boundaries of every layout; one row ends on an EOS, one has a single document.
+DOC_EOS = [[5, 20, 41], [], [0, 30, 33, 63]]
+
+
+def doc_tokens_and_labels(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (DOC_BATCH, SEQ + 1), generator=g)
+    for b, positions in enumerate(DOC_EOS):
+        tokens[b, positions] = EOS
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class DenseReferenceAttention(torch.nn.Module):
+    """Single-process reference for the attention wrappers: dense SDPA with an explicit mask,
+    causal, within a window of `window` tokens back (None: none) and, with `documents`, within
+    one document, documents read off the tokens (each EOS ends one), not off torchtitan's
+    boundaries."""
+
+    def __init__(self, window=None, documents=None):
+        super().__init__()
+        self.window = window
+        self.documents = documents  # (B, S) document index of each token, or None
+
+    def forward(self, q, k, v, attention_masks=None, *, scale=None, enable_gqa=False):
+        B, S = q.shape[0], q.shape[2]
+        i = torch.arange(S)
+        mask = i[None, :] <= i[:, None]  # (query, key)
+        if self.window is not None:
+            mask = mask & (i[:, None] - i[None, :] <= self.window)
+        mask = mask.expand(B, 1, S, S)
+        if self.documents is not None:
+            d = self.documents
+            mask = mask & (d[:, None, :, None] == d[:, None, None, :])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        # torchtitan's varlen branch takes the output as (B, S, H, D); the sdpa one transposes.
+        return out.transpose(1, 2).contiguous() if attention_masks is not None else out
+
+
+def masked_reference(dtype, inputs, labels, window, documents):
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.models.attention import create_varlen_metadata_for_document
+
+    model = tiny_model(dtype, **({"attn_type": "varlen", "attn_mask_type": "block_causal"} if documents else {}))
+    docs = None
+    if documents:
+        eos_before = torch.cumsum((inputs == EOS).long(), dim=1) - (inputs == EOS).long()
+        docs = eos_before  # tokens after the k-th EOS are document k; an EOS ends its document
+    for layer in model.layers.values():
+        layer.attention.inner_attention = DenseReferenceAttention(window, docs)
+    masks = {"attention_masks": create_varlen_metadata_for_document(inputs, EOS)} if documents else {}
+    loss = cross_entropy_loss(model(inputs, **masks), labels) / labels.numel()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _errs(model, loss, labels, ref, reduce=True):
+    ref_loss, ref_grads = ref
+    loss_sum = loss.detach().clone()
+    if reduce:
+        dist.all_reduce(loss_sum)
+    errs = {"loss": rel_err(loss_sum, ref_loss)}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if reduce:
+            dist.all_reduce(g)
+        errs[name] = rel_err(g, ref_grads[name])
+    return errs
+
+
+def worker_masked_cases(cases, dtype_name):
+    """float64, CP = all ranks: for each (documents, layout, window) the tiny llama3 (varlen flavor
+    with documents) with dtcp attention, its batch through Trainer.post_dataloading_process (masks
+    from EOS tokens on the whole batch, then dtcp's sharding), against the same model without CP
+    and with dense masked attention."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.train import Trainer
+
+    dtype = getattr(torch, dtype_name)
+    cp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    results = []
+    for documents, layout_spec, window in cases:
+        options = dt.DtcpOptions(dtcp.layout_from_spec(layout_spec), "auto", None if window is None else (window, 0))
+        varlen = {"attn_type": "varlen", "attn_mask_type": "block_causal"} if documents else {}
+        model = tiny_model(dtype, **varlen)
+        n = dt.apply_dtcp_to_attention(model, cp_mesh.get_group(), options)
+        dt._own_cp_mesh(cp_mesh, options.layout)
+        modes = {layer.attention.inner_attention.document_masking for layer in model.layers.values()}
+        inputs, labels = doc_tokens_and_labels() if documents else tokens_and_labels()
+        trainer = types.SimpleNamespace(
+            model_args=model.model_args, tokenizer=types.SimpleNamespace(eos_id=EOS), model_parts=[model],
+            parallel_dims=types.SimpleNamespace(cp_enabled=True, get_mesh=lambda name: cp_mesh),
+            job_config=types.SimpleNamespace(parallelism=types.SimpleNamespace(context_parallel_load_balancer="headtail")),
+            device=torch.device("cpu"),
+        )
+        inputs_l, labels_l, extra_inputs, extra_kwargs = Trainer.post_dataloading_process(
+            trainer, {"input": inputs}, labels
+        )
+        loss = cross_entropy_loss(model(inputs_l, **extra_inputs, **extra_kwargs), labels_l) / labels.numel()
+        loss.backward()
+        errs = _errs(model, loss, labels, masked_reference(dtype, inputs, labels, window, documents))
+        results.append({"case": (documents, layout_spec, window), "replaced": n, "modes": sorted(modes),
+                        "local_len": inputs_l.shape[1], "errs": errs})
+    return results
+
+
+MASKED_CASES = [
+    (True, "zigzag", None), (True, "contiguous", None), (True, "striped:1", None), (True, "striped:4", None),
+    (True, "zigzag", 9), (True, "contiguous", 20),   # documents and a window together
+    (False, "zigzag", 5), (False, "contiguous", 40), (False, "striped:2", 1),  # window only
+]
+
+
+def test_llama3_document_mask_and_window_equal_dense_reference_float64():
+    for rank_results in run_ranks(2, worker_masked_cases, MASKED_CASES, "float64", timeout=300):
+        for r in rank_results:
+            documents = r["case"][0]
+            assert r["replaced"] == 2 and r["modes"] == [documents] and r["local_len"] == SEQ // 2, r
+            grads = {k: v for k, v in r["errs"].items() if k != "loss"}
+            worst = max(grads.items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-12, (r["case"], worst, grads)
+            assert r["errs"]["loss"] < 1e-6, (r["case"], r["errs"]["loss"])  # float32 cross entropy
+
+
+def test_masked_reference_is_not_plain_causal():
+    """The cases above would pass vacuously if masks changed nothing: they change the gradients."""
+    inputs, labels = doc_tokens_and_labels()
+    _, plain = masked_reference(torch.float64, inputs, labels, None, False)
+    for window, documents in ((None, True), (5, False)):
+        _, masked = masked_reference(torch.float64, inputs, labels, window, documents)
+        assert max(rel_err(masked[n], plain[n]) for n in plain) > 1e-2, (window, documents)
+
+
+def worker_window_without_cp(window):
+    """context_parallel_degree = 1 with a [dtcp] window: the train spec's parallelize puts dtcp
+    attention on a one-rank group of each process; whole sequences, no sharding."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan", "--dtcp.window_size", str(window))
+    model = tiny_model(torch.float64)
+    model = dt._dtcp_parallelize(lambda m, parallel_dims, job_config: m)(
+        model, types.SimpleNamespace(cp_enabled=False), cfg
+    )
+    inner = [layer.attention.inner_attention for layer in model.layers.values()]
+    inputs, labels = tokens_and_labels()
+    loss = cross_entropy_loss(model(inputs), labels) / labels.numel()
+    loss.backward()
+    errs = _errs(model, loss, labels, masked_reference(torch.float64, inputs, labels, window, False), reduce=False)
+    return {"kinds": sorted({type(m).__name__ for m in inner}), "cp": [m.cp_size for m in inner],
+            "window": [m.window_size for m in inner], "errs": errs}
+
+
+def test_window_with_cp1_runs_through_dtcp():
+    for r in run_ranks(2, worker_window_without_cp, 7, timeout=120):
+        assert r["kinds"] == ["DtcpRingAttention"] and r["cp"] == [1, 1] and r["window"] == [(7, 0)] * 2, r
+        worst = max(r["errs"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-12, (worst, r["errs"])  # one process: same sums as the reference
+
+
+def worker_torchtitan_pieces(compile_backend, layout, documents=False):
     """float32 through torchtitan's pieces: ParallelDims meshes, the llama3_dtcp train spec's
     parallelize_fn (dtcp attention, FSDP over the cp mesh, optionally torch.compile per block),
-    Trainer.post_dataloading_process and the spec's loss function."""
+    Trainer.post_dataloading_process and the spec's loss function. `documents`: the varlen
+    (document-masked) llama3, masks from EOS tokens."""
     import torchtitan.distributed.parallel_dims as pd
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import FSDPModule
@@ -227,7 +412,7 @@ def worker_torchtitan_pieces(compile_backend, layout):
 
     torch._dynamo.reset()
     counters.clear()
-    model = tiny_model(torch.float32)
+    model = tiny_model(torch.float32, **({"attn_type": "varlen", "attn_mask_type": "block_causal"} if documents else {}))
     model = spec.parallelize_fn(model, parallel_dims, cfg)
     for m in model.modules():
         # torchtitan sets gradient_divide_factor=1.0, which FSDP reduces with PREMUL_SUM;
@@ -238,10 +423,11 @@ def worker_torchtitan_pieces(compile_backend, layout):
     loss_fn = spec.build_loss_fn(cfg, parallel_dims=parallel_dims)
 
     trainer = types.SimpleNamespace(
-        model_args=model.model_args, parallel_dims=parallel_dims, job_config=cfg, tokenizer=None,
+        model_args=model.model_args, parallel_dims=parallel_dims, job_config=cfg,
+        tokenizer=types.SimpleNamespace(eos_id=EOS) if documents else None,
         model_parts=[model], device=torch.device("cpu"),
     )
-    inputs, labels = tokens_and_labels()
+    inputs, labels = doc_tokens_and_labels() if documents else tokens_and_labels()
     inputs_l, labels_l, extra_inputs, extra_kwargs = Trainer.post_dataloading_process(
         trainer, {"input": inputs}, labels
     )
@@ -250,7 +436,10 @@ def worker_torchtitan_pieces(compile_backend, layout):
     loss_sum = loss.detach().clone()
     dist.all_reduce(loss_sum)
 
-    ref_loss, ref_grads = single_process_reference(torch.float32)
+    if documents:
+        ref_loss, ref_grads = masked_reference(torch.float32, inputs, labels, None, True)
+    else:
+        ref_loss, ref_grads = single_process_reference(torch.float32)
     errs = {"loss": rel_err(loss_sum, ref_loss)}
     for name, p in model.named_parameters():
         errs[name] = rel_err(p.grad.full_tensor(), ref_grads[name.replace("._orig_mod", "")])
@@ -262,9 +451,13 @@ def worker_torchtitan_pieces(compile_backend, layout):
 
 
 # striped:2 differs from torchtitan's own (head-tail) sharding, so the batch must go through dtcp's.
-@pytest.mark.parametrize("compile_backend, layout", [(None, "striped:2"), ("aot_eager", "zigzag")])
-def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout):
-    for r in run_ranks(2, worker_torchtitan_pieces, compile_backend, layout, timeout=600):
+# The document-masked case: one ring call per batch row, inside compiled blocks too.
+@pytest.mark.parametrize(
+    "compile_backend, layout, documents",
+    [(None, "striped:2", False), ("aot_eager", "zigzag", False), ("aot_eager", "zigzag", True)],
+)
+def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout, documents):
+    for r in run_ranks(2, worker_torchtitan_pieces, compile_backend, layout, documents, timeout=600):
         assert r["kinds"] == ["DtcpRingAttention"] and r["local_len"] == SEQ // 2, r
         worst = max(r["errs"].items(), key=lambda kv: kv[1])
         assert worst[1] < 2e-6, (worst, r["errs"])  # float32 (FSDP params and grads in float32)

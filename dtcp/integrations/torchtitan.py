@@ -19,7 +19,7 @@ a ``[dtcp]`` section::
     [dtcp]
     layout = "zigzag"               # contiguous | zigzag | striped | striped:<block>
     backend = "auto"                # auto | flash | cudnn | cpu_flash | math
-    window_size = -1                # sliding window (keys up to this many tokens back); -1: none
+    window_size = -1                # causal sliding window: keys up to this many tokens back; -1: none
 
 What "llama3_dtcp" changes against torchtitan's "llama3" (everything else is the stock train
 spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
@@ -35,16 +35,22 @@ spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
   ``[parallelism] context_parallel_load_balancer`` is ignored), and RoPE sees global positions.
 * document masking: flavors with ``attn_type = "varlen"`` (torchtitan refuses them under CP) get
   the packed batch's document boundaries, found from EOS tokens by torchtitan's own
-  ``create_varlen_metadata_for_document``, passed to dtcp's varlen ring as ``cu_seqlens``.
+  ``create_varlen_metadata_for_document`` on the whole (unsharded) batch before the inputs are
+  sharded, so identical on every cp rank. They cover the batch flattened to B*S tokens; dtcp's
+  ``cu_seqlens`` applies one mask to every row, so each batch row is one ``dtcp.ring_attention``
+  call with that row's boundaries (`row_cu_seqlens`).
+* sliding window: ``[dtcp] window_size = W`` is ``dtcp.ring_attention(window_size=(W, 0))``
+  in every attention call (causal, with or without document masking).
 
-With ``context_parallel_degree = 1`` the spec is exactly torchtitan's.
+With ``context_parallel_degree = 1`` the spec is exactly torchtitan's, except with a
+``[dtcp] window_size``: torchtitan's attention has no window, so then the attention runs through
+dtcp on a one-rank group (the same op and mask as under CP).
 """
 
 # No `from __future__ import annotations` here: tyro (torchtitan's CLI parser) evaluates the
 # annotations of the [dtcp] dataclasses, and string annotations would not resolve.
 import copy
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -75,6 +81,7 @@ __all__ = [
     "DtcpOptions",
     "DtcpRingAttention",
     "dtcp_options",
+    "row_cu_seqlens",
     "apply_dtcp_to_attention",
     "dtcp_train_spec",
 ]
@@ -113,10 +120,6 @@ class DtcpOptions:
     window_size: Optional[tuple[int, int]]  # (left, right) for dtcp.ring_attention, None: no window
 
 
-def _ring_accepts(kwarg: str) -> bool:
-    return kwarg in inspect.signature(dtcp.ring_attention).parameters
-
-
 def dtcp_options(job_config) -> DtcpOptions:
     """Validate the job's [dtcp] section (defaults where the job has none)."""
     section = getattr(job_config, "dtcp", None) or Dtcp()
@@ -130,25 +133,22 @@ def dtcp_options(job_config) -> DtcpOptions:
     window = section.window_size
     if not isinstance(window, int) or isinstance(window, bool) or window < -1:
         raise ValueError(f"[dtcp] window_size = {window!r}: use -1 (no window) or a number of tokens >= 0")
-    if window >= 0 and not _ring_accepts("window_size"):
-        raise NotImplementedError(
-            f"[dtcp] window_size = {window} needs dtcp.ring_attention(window_size=...), which this "
-            f"dtcp {dtcp.__version__} does not have yet. Set window_size = -1."
-        )
     return DtcpOptions(layout=layout, backend=section.backend, window_size=(window, 0) if window >= 0 else None)
 
 
-def _check_document_masking_supported() -> None:
-    if not _ring_accepts("cu_seqlens"):
-        raise NotImplementedError(
-            f"document masking under context parallelism (a flavor with attn_type='varlen') needs "
-            f"dtcp.ring_attention(cu_seqlens=...), dtcp's varlen ring, which this dtcp "
-            f"{dtcp.__version__} does not have yet. Use a flavor with attn_type='sdpa' (e.g. "
-            f"'debugmodel'), or context_parallel_degree = 1."
-        )
-
-
 # ---- attention ---------------------------------------------------------------------------------
+def row_cu_seqlens(cu_seq: torch.Tensor, row: int, seq_len: int) -> torch.Tensor:
+    """Document boundaries of batch row `row`, as dtcp's `cu_seqlens` (0, ..., seq_len), from
+    torchtitan's ``VarlenMetadata.cu_seq_q``: the boundaries over the batch flattened to
+    B*seq_len tokens (each row starts a document at row*seq_len; the last value is B*seq_len).
+
+    Shifting by row*seq_len and clamping to [0, seq_len] keeps the shape (no host sync, no
+    data-dependent shape, so compiled blocks stay whole): the other rows' boundaries become
+    repeated 0s and seq_lens, empty documents, which dtcp drops. For a one-row batch `cu_seq`
+    already is that row's boundaries (DtcpRingAttention passes it as it is)."""
+    return (cu_seq - row * seq_len).clamp(0, seq_len)
+
+
 class DtcpRingAttention(nn.Module):
     """Drop-in for torchtitan's ScaledDotProductAttentionWrapper / VarlenAttentionWrapper that
     runs dtcp's ring over the context-parallel group. q, k, v: (B, H, S_local, D), this rank's
@@ -161,6 +161,7 @@ class DtcpRingAttention(nn.Module):
         self.backend = options.backend
         self.window_size = options.window_size
         self.document_masking = document_masking
+        self.cp_size = group_size(group)
 
     def forward(
         self,
@@ -173,36 +174,42 @@ class DtcpRingAttention(nn.Module):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
-        kwargs = {}
+        kwargs = dict(layout=self.layout, is_causal=is_causal, scale=scale, backend=self.backend)
         if self.window_size is not None:
             kwargs["window_size"] = self.window_size
-        if self.document_masking:
-            if not isinstance(attention_masks, VarlenMetadata):
-                raise TypeError(
-                    f"DtcpRingAttention with document masking needs torchtitan's VarlenMetadata; got "
-                    f"{type(attention_masks).__name__}"
+        if not self.document_masking:
+            if attention_masks is not None:
+                raise TypeError(f"DtcpRingAttention got attention_masks of type {type(attention_masks).__name__}")
+            return dtcp.ring_attention(q, k, v, self.group, enable_gqa=enable_gqa, **kwargs)
+
+        if not isinstance(attention_masks, VarlenMetadata):
+            raise TypeError(
+                f"DtcpRingAttention with document masking needs torchtitan's VarlenMetadata; got "
+                f"{type(attention_masks).__name__}"
+            )
+        enable_gqa = q.shape[1] != k.shape[1]  # torchtitan's varlen call does not pass it
+        seq_len = q.shape[2] * self.cp_size  # the whole (unsharded) sequence
+        cu = attention_masks.cu_seq_q  # global: built from the unsharded batch, same on every cp rank
+        if q.shape[0] == 1:
+            out = dtcp.ring_attention(q, k, v, self.group, enable_gqa=enable_gqa, cu_seqlens=cu, **kwargs)
+        else:
+            # dtcp applies one document mask to every batch row; torchtitan's rows have their own
+            # documents: one ring call per row, the same calls in the same order on every rank.
+            out = torch.cat([
+                dtcp.ring_attention(
+                    q[b:b + 1], k[b:b + 1], v[b:b + 1], self.group, enable_gqa=enable_gqa,
+                    cu_seqlens=row_cu_seqlens(cu, b, seq_len), **kwargs,
                 )
-            # Document starts over the whole (unsharded) batch flattened to B*S tokens, as
-            # torchtitan's create_varlen_metadata_for_document computes them from EOS tokens.
-            kwargs["cu_seqlens"] = attention_masks.cu_seq_q
-            enable_gqa = q.shape[1] != k.shape[1]  # torchtitan's varlen call does not pass it
-        elif attention_masks is not None:
-            raise TypeError(f"DtcpRingAttention got attention_masks of type {type(attention_masks).__name__}")
-        out = dtcp.ring_attention(
-            q, k, v, self.group,
-            layout=self.layout, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-            backend=self.backend, **kwargs,
-        )
-        if self.document_masking:
-            # torchtitan's varlen path takes (B*S, H, D)-ordered output and views it as (B, S, -1).
-            return out.transpose(1, 2).contiguous()
-        return out
+                for b in range(q.shape[0])
+            ])
+        # torchtitan's varlen path views the output as (B, S, -1): (B, S_local, H, D) here.
+        return out.transpose(1, 2).contiguous()
 
     def extra_repr(self) -> str:
         mask = "document" if self.document_masking else "causal"
         return (
             f"layout={self.layout.spec()}, backend={self.backend}, window_size={self.window_size}, "
-            f"mask={mask}, cp={group_size(self.group)}"
+            f"mask={mask}, cp={self.cp_size}"
         )
 
 
@@ -222,7 +229,6 @@ def apply_dtcp_to_attention(model: nn.Module, cp_group, options: DtcpOptions) ->
         if isinstance(inner, ScaledDotProductAttentionWrapper):
             document_masking = False
         elif isinstance(inner, VarlenAttentionWrapper):
-            _check_document_masking_supported()
             document_masking = True
         else:
             continue
@@ -276,11 +282,29 @@ def _skip_torchtitan_cp(attention_modules, cp_mesh, attention_type) -> None:
     logger.info(f"Applied dtcp ring attention to {len(attention_modules)} attention modules")
 
 
+def _apply_dtcp_without_cp(model: nn.Module, options: DtcpOptions) -> None:
+    """CP=1 with a [dtcp] window: torchtitan's SDPA and varlen wrappers have no sliding window, so
+    attention runs through the same dtcp op on a one-rank group of this process (whole sequences,
+    nothing sent). Without a window, CP=1 stays torchtitan's own attention."""
+    import torch.distributed as dist
+
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    # One rank holds the whole sequence in order whatever the layout; contiguous has no
+    # divisibility rule for seq_len.
+    n = apply_dtcp_to_attention(model, group, dataclasses.replace(options, layout=dtcp.Contiguous()))
+    if n == 0:
+        raise RuntimeError(f"dtcp found no torchtitan attention wrapper to replace in {type(model).__name__}")
+    logger.info(f"dtcp: context_parallel_degree = 1 with [dtcp] window_size: dtcp attention (one rank, "
+                f"window {options.window_size}) in {n} attention modules")
+
+
 def _dtcp_parallelize(base_parallelize):
     def parallelize(model: nn.Module, parallel_dims, job_config, *args, **kwargs):
-        if not parallel_dims.cp_enabled:
-            return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)
         options = dtcp_options(job_config)
+        if not parallel_dims.cp_enabled:
+            if options.window_size is not None:
+                _apply_dtcp_without_cp(model, options)
+            return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)
         cp_mesh = parallel_dims.get_mesh("cp")
         options.layout.check(job_config.training.seq_len, cp_mesh.size())
         n = apply_dtcp_to_attention(model, cp_mesh.get_group(), options)
@@ -313,7 +337,6 @@ def _dtcp_model_args(args):
         def update_from_config(self, job_config, **kwargs):
             dtcp_options(job_config)  # validate [dtcp] early, whatever the cp degree
             if job_config.parallelism.context_parallel_degree > 1 and getattr(self, "attn_type", None) == "varlen":
-                _check_document_masking_supported()
                 self.attn_type = "sdpa"  # hide it from torchtitan's own refusal
                 try:
                     return base.update_from_config(self, job_config, **kwargs)
