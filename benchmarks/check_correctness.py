@@ -89,6 +89,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-ratio", type=float, default=1.5)
     p.add_argument("--json", default=None)
+    p.add_argument("--causal", nargs="+", type=int, default=[1, 0], help="1 causal, 0 not")
+    p.add_argument("--heads", nargs="+", default=["8/8", "8/2"], help="query/kv head pairs")
     args = p.parse_args()
 
     device = init_distributed(args.device)
@@ -100,8 +102,8 @@ def main():
     for backend in backends:
         for spec in args.layouts:
             layout = dtcp.layout_from_spec(spec)
-            for is_causal in (True, False):
-                for hq, hkv in ((8, 8), (8, 2)):
+            for is_causal in (bool(c) for c in args.causal):
+                for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads):
                     try:
                         res = run_case(layout, is_causal, hq, hkv, backend, args, device, dtype)
                         err = None

@@ -213,6 +213,10 @@ class CudnnKernel(Kernel):
             return f"cudnn takes float16/bfloat16; got {q.dtype}"
         if q.shape[-1] > 128 or q.shape[-1] % 8:
             return f"cudnn needs head_dim <= 128 and a multiple of 8; got {q.shape[-1]}"
+        tasks = list(tasks)
+        if any(t.q_len == 1 and t.k_len == 1 for t in tasks):
+            # cuDNN 9.19 frontend: "s_q = s_kv = 1 is not supported" (a single-token document).
+            return "cudnn cannot take a 1x1 block (a single-token document)"
         return _reject_unless_top_left_causal_or_full(tasks, "cudnn")
 
     def forward(self, q, k, v, lo, hi, scale):

@@ -90,3 +90,17 @@ def test_layout_errors_without_process_group():
         dtcp.Zigzag().check(12, 4)
     with pytest.raises(RuntimeError, match="init_process_group"):
         dtcp.ring_attention(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4))
+
+
+def test_cudnn_refuses_single_token_blocks():
+    from dtcp.kernels import KERNELS
+    from dtcp.schedule import Task
+
+    class FakeCuda:  # only what reject_reason reads
+        device = torch.device("cuda")
+        dtype = torch.bfloat16
+        shape = (1, 8, 16, 64)
+
+    why = KERNELS["cudnn"].reject_reason(FakeCuda(), FakeCuda(), [Task(0, 16, 0, 16, None, 0), Task(3, 4, 3, 4, None, 0)])
+    assert why is not None and "1x1" in why
+    assert KERNELS["cudnn"].reject_reason(FakeCuda(), FakeCuda(), [Task(0, 16, 0, 16, None, 0)]) is None
