@@ -283,6 +283,7 @@ def main():
             json.dump({"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                        "torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)
         plot(rows, os.path.join(args.out, "tflops.png"), world)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -134,6 +134,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "rows": rows}, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
 

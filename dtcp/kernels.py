@@ -238,80 +238,10 @@ class CudnnKernel(Kernel):
         )
 
 
-class FlexKernel(Kernel):
-    """torch.nn.attention.flex_attention (compiled Triton kernels) on CUDA: any band, fp16/bf16/fp32.
-
-    flex_attention has no entry point that takes the merged lse, so the backward recomputes the
-    block under autograd and feeds it the gradients the merge gives it: with w = exp(lse_blk -
-    lse), d out_blk = w * dout and d lse_blk = w * <dout, out_blk - out> (row-wise). This costs one
-    extra block forward per backward step; it is the backend for masks the others don't take.
-    """
-
-    name = "flex"
-
-    def __init__(self):
-        self._flex = None
-        self._masks: dict = {}
-
-    def reject_reason(self, q, k, tasks):
-        if q.device.type != "cuda":
-            return f"flex runs on CUDA tensors (its CPU build has no backward); got {q.device.type}"
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return f"flex takes float16/bfloat16/float32; got {q.dtype}"
-        d = q.shape[-1]
-        if d < 16 or d & (d - 1):
-            return f"flex needs a power-of-two head_dim >= 16; got {d}"
-        return None
-
-    def _fn(self):
-        if self._flex is None:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            self._flex = torch.compile(flex_attention, dynamic=False)
-        return self._flex
-
-    def _block_mask(self, lq, lk, lo, hi, device):
-        if lo is None and hi is None:
-            return None
-        key = (lq, lk, lo, hi, device)
-        if key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            lo_, hi_ = (-lk if lo is None else lo), (lq + lk if hi is None else hi)
-
-            def band(b, h, q_idx, kv_idx):
-                d = kv_idx - q_idx
-                return (d >= lo_) & (d <= hi_)
-
-            self._masks[key] = create_block_mask(band, None, None, lq, lk, device=device)
-        return self._masks[key]
-
-    def _run(self, q, k, v, lo, hi, scale):
-        mask = self._block_mask(q.shape[2], k.shape[2], lo, hi, q.device)
-        return self._fn()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-
-    def forward(self, q, k, v, lo, hi, scale):
-        out, lse = self._run(q, k, v, lo, hi, scale)
-        return out, lse.float()
-
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
-        with torch.enable_grad():
-            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
-            o, l = self._run(qd, kd, vd, lo, hi, scale)
-            w = torch.exp(l.float() - lse.float())
-            d32 = dout.float()
-            grad_o = (d32 * w.unsqueeze(-1)).to(o.dtype)
-            grad_l = w * (d32 * (o.float() - out.float())).sum(-1)
-            dq, dk, dv = torch.autograd.grad((o, l), (qd, kd, vd), (grad_o, grad_l.to(l.dtype)))
-        return dq, dk, dv
-
-
-KERNELS: dict[str, Kernel] = {
-    k.name: k for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel(), FlexKernel())
-}
+KERNELS: dict[str, Kernel] = {k.name: k for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel())}
 
 # Fastest first (H200 measurements in shared FACTS: cuDNN ~2x PyTorch flash on Hopper).
-AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "flex", "math")}
+AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "math")}
 
 
 def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task]) -> Kernel:

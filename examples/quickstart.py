@@ -75,6 +75,7 @@ def main():
               f"causal={causal}, S={args.seq_len}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}")
         print(f"max relative error vs single-device SDPA: out {e[0]:.2e}  dq {e[1]:.2e}  dk {e[2]:.2e}  dv {e[3]:.2e}")
         print(f"time (first call, fwd+bwd, max over ranks): {e[4] * 1e3:.1f} ms")
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 
