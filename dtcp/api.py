@@ -48,6 +48,13 @@ def ring_attention(
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash", "cudnn".
         return_lse: also return the log-sum-exp.
+        window_size: (left, right) sliding window in flash-attn's convention (query i sees keys
+            i - left .. i + right; -1 = unbounded; causal needs right = 0). Default: the window of
+            an enclosing ``dtcp.attention_window``, else of a ``dtcp.SlidingWindow`` layout, else none.
+            With the contiguous layout the ring runs only the rounds the window needs.
+        cu_seqlens: (num_docs + 1,) int tensor of global document boundaries of the packed
+            sequence (0 = c0 <= ... <= cn = S, the same on every rank): tokens attend only within
+            their document. Rows that see no key at all get out 0 and lse 0.
 
     Returns:
         out (B, Hq, S_local, D), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
