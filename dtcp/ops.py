@@ -65,10 +65,19 @@ def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
     so that all ranks use the same one."""
     pg = _compat.group_from_name(group_name)
     n, r = pg.size(), pg.rank()
-    plans = _plans(layout, q.shape[2], n, is_causal, window, _cu_tuple(cu_seqlens))
-    all_tasks = [task for plan in plans for step in plan.steps for task in step.tasks]
-    kernel: Kernel = select_kernel(backend, q, k, all_tasks)
+    plan_key = (layout, q.shape[2], n, is_causal, tuple(window), _cu_tuple(cu_seqlens))
+    plans = _plans(*plan_key)
+    # Kernels decide from the device, dtype and head dim and the tasks: cache the choice per
+    # plan so the hot path doesn't walk every rank's tasks on every call.
+    kernel_key = (plan_key, backend, q.device.type, q.dtype, q.shape[-1])
+    kernel = _KERNEL_CHOICE.get(kernel_key)
+    if kernel is None:
+        all_tasks = [task for plan in plans for step in plan.steps for task in step.tasks]
+        kernel = _KERNEL_CHOICE[kernel_key] = select_kernel(backend, q, k, all_tasks)
     return pg, plans[r], kernel
+
+
+_KERNEL_CHOICE: dict[tuple, Kernel] = {}
 
 
 # window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
