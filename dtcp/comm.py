@@ -53,14 +53,14 @@ class RingComm:
     def _peer(self, offset: int) -> int:
         return global_rank(self.pg, (self.rank + offset) % self.world_size)
 
-    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int = 1, allow_ce: bool = True) -> list:
+    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int = 1) -> list:
         """Start sending `send` to rank+shift and receiving `recv` from rank-shift. Returns the
-        works; call `wait` before reading `recv` or writing `send`. Every rank must make the same
-        choice of path: pass allow_ce=False where the shift differs between ranks."""
+        works; call `wait` before reading `recv` or writing `send`. Every rank makes the same
+        choice of path: the choice depends only on the normalised shift and the buffers' slots."""
         # Normalise the shift: ranks may name the same neighbour as +k or k - N.
         n = self.world_size
         shift = (shift + n // 2) % n - n // 2 if n > 1 else 0
-        if allow_ce and self.ce is not None and abs(shift) == 1 and self.ce.slot_of(recv) >= 0:
+        if self.ce is not None and abs(shift) == 1 and self.ce.slot_of(recv) >= 0:
             return [("ce", self.ce.exchange([t.contiguous() for t in send], recv, shift))]
         to, frm = self._peer(shift), self._peer(-shift)
         ops = [dist.P2POp(dist.isend, t, to, self.pg) for t in send]

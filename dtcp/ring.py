@@ -42,7 +42,7 @@ class NoComm:
     def spare_buffers(like, kind):
         return [[torch.empty_like(t) for t in like] for _ in range(2)]
 
-    def exchange(self, send, recv, shift: int = 1, allow_ce: bool = True):
+    def exchange(self, send, recv, shift: int = 1):
         return None
 
     @staticmethod
