@@ -69,6 +69,76 @@ def cudnn_ops():
     )
 
 
+# ---- autograd inside a custom op's implementation ----------------------------------------
+# A torch.library custom op's implementation runs with the Autograd dispatch keys excluded
+# (thread-local), so nothing it computes records a graph. The flex backend's backward
+# recomputes its block under autograd; this re-admits the Autograd and ADInplaceOrView keys for
+# that block. torch._C._dispatch_tls_{is,set}_dispatch_key_excluded: checked on torch 2.11+cu130
+# and 2.13.0+cpu.
+class autograd_inside_custom_op:
+    _KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+
+    def __enter__(self):
+        self.saved = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in self._KEYS]
+        for k in self._KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        self.grad_mode = torch.enable_grad()
+        self.grad_mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.grad_mode.__exit__(*exc)
+        for k, was in zip(self._KEYS, self.saved):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
+        return False
+
+
+# ---- eager fast path guard ----------------------------------------------------------------
+def plain_eager_call(*tensors) -> bool:
+    """True when a call can bypass the custom op: not tracing, exact torch.Tensor inputs (no
+    DTensor/fake/functional subclasses), no TorchDispatchMode and no functorch transform active.
+    torch.utils._python_dispatch.is_in_torch_dispatch_mode (user and infra modes) and
+    torch._C._functorch.peek_interpreter_stack: checked on torch 2.11+cu130 and 2.13.0+cpu."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+# ---- flex_attention -----------------------------------------------------------------------
+def flex_attention_with_lse(flex_fn, q, k, v, block_mask, scale, enable_gqa):
+    """(out, lse) from flex_attention (or a torch.compile of it). torch.nn.attention.flex_attention
+    takes return_aux=AuxRequest(lse=True) from 2.9 on (return_lse is deprecated there) and only
+    return_lse before: checked on torch 2.11+cu130 and 2.13.0+cpu. lse is natural-log, float32."""
+    from torch.nn.attention import flex_attention as fa
+
+    if hasattr(fa, "AuxRequest"):
+        out, aux = flex_fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                           return_aux=fa.AuxRequest(lse=True))
+        return out, aux.lse
+    return flex_fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+
+
+# ---- the flash-attn package (FA2) ----------------------------------------------------------
+def flash_attn_package_ops():
+    """(forward, backward) of the flash-attn package, or None when it is not installed.
+    flash_attn.flash_attn_interface._flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal,
+    window_size_left, window_size_right, softcap, alibi_slopes, return_softmax) -> (out, lse,
+    S_dmask, rng_state) and _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p,
+    softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+    deterministic, rng_state) writing dq/dk/dv: checked on flash-attn 2.8.3 (BSHD layout, windows
+    bottom-right aligned, GQA native)."""
+    try:
+        from flash_attn import flash_attn_interface as fai
+    except ImportError:
+        return None
+    fwd, bwd = getattr(fai, "_flash_attn_forward", None), getattr(fai, "_flash_attn_backward", None)
+    return None if fwd is None or bwd is None else (fwd, bwd)
+
+
 # ---- the SDPA builtin ---------------------------------------------------------------------------
 # F.scaled_dot_product_attention is the builtin torch._C._nn.scaled_dot_product_attention, and a
 # name imported from torch.nn.functional is that same object. Checked on torch 2.11 and 2.13.

@@ -156,6 +156,21 @@ def _flash_window(t_q: int, t_k: int, lo, hi) -> tuple[int, int]:
     return left, right
 
 
+def flash_band_reason(tasks: Iterable[Task], name: str) -> Optional[str]:
+    """Why FlashAttention-2's window cannot express some task's band, or None."""
+    for t in tasks:
+        left, right = _flash_window(t.q_len, t.k_len, t.lo, t.hi)
+        if (t.lo is not None and left < 0) or (t.hi is not None and right < 0):
+            return f"{name} cannot express band ({t.lo}, {t.hi}) on a {t.q_len}x{t.k_len} block"
+        # FA2's flash_api.cpp turns window_size_right >= seqlen_k into "unbounded", which is only
+        # right while the bound cannot bind; with q longer than k and bottom-right alignment it
+        # can (row 0 still stops at key hi). Seen on H200 with torch's flash and flash-attn 2.8.3.
+        if t.hi is not None and right >= t.k_len and t.hi < t.k_len - 1:
+            return (f"{name} drops a right window >= the key length, and band ({t.lo}, {t.hi}) on a "
+                    f"{t.q_len}x{t.k_len} block needs it")
+    return None
+
+
 class CudaFlashKernel(Kernel):
     """PyTorch's bundled FlashAttention-2 (aten._flash_attention_forward/backward): fp16/bf16,
     head dim <= 256, GQA and sliding windows native (bottom-right aligned)."""
@@ -169,11 +184,7 @@ class CudaFlashKernel(Kernel):
             return f"flash takes float16/bfloat16; got {q.dtype}"
         if q.shape[-1] > 256 or q.shape[-1] % 8:
             return f"flash needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
-        for t in tasks:
-            left, right = _flash_window(t.q_len, t.k_len, t.lo, t.hi)
-            if (t.lo is not None and left < 0) or (t.hi is not None and right < 0):
-                return f"flash cannot express band ({t.lo}, {t.hi}) on a {t.q_len}x{t.k_len} block"
-        return None
+        return flash_band_reason(tasks, "flash")
 
     def forward(self, q, k, v, lo, hi, scale):
         fwd, _ = _compat.cuda_flash_ops()
@@ -238,10 +249,16 @@ class CudnnKernel(Kernel):
         )
 
 
-KERNELS: dict[str, Kernel] = {k.name: k for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel())}
+from .kernels_optional import FlashAttnPackageKernel, FlexKernel  # noqa: E402  (they subclass Kernel)
 
-# Fastest first (H200 measurements in shared FACTS: cuDNN ~2x PyTorch flash on Hopper).
-AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "math")}
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel(), FlashAttnPackageKernel(), FlexKernel())
+}
+
+# Fastest first (H200 measurements in shared FACTS: cuDNN ~2x PyTorch flash on Hopper; flex
+# below both; the flash-attn package's FA2 is the same algorithm as PyTorch's bundled flash).
+AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "fa2", "flex", "math")}
 
 
 def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task]) -> Kernel:

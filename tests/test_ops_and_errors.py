@@ -51,6 +51,8 @@ def error_messages():
         "three_d": lambda: dtcp.ring_attention(q[0], k[0], k[0], enable_gqa=True),
         "backend": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="nope"),
         "backend_cuda_on_cpu": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="cudnn"),
+        "flex_on_cpu": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="flex"),
+        "fa2_missing": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="fa2"),
         "layout_name": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="spiral"),
         "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True),
         "striped_zero": lambda: dtcp.Striped(0),
@@ -70,6 +72,8 @@ EXPECTED = {
     "three_d": "must be 4-D",
     "backend": "backend must be 'auto' or one of",
     "backend_cuda_on_cpu": "cudnn needs CUDA tensors",
+    "flex_on_cpu": "flex needs CUDA tensors",
+    "fa2_missing": "fa2 needs the flash-attn package",
     "layout_name": "unknown layout",
     "mesh_2d": "must be 1-D",
     "striped_zero": "positive int",
@@ -102,3 +106,64 @@ def test_cudnn_refuses_single_token_blocks():
     why = KERNELS["cudnn"].reject_reason(FakeCuda(), FakeCuda(), [Task(0, 16, 0, 16, None, 0), Task(3, 4, 3, 4, None, 0)])
     assert why is not None and "1x1" in why
     assert KERNELS["cudnn"].reject_reason(FakeCuda(), FakeCuda(), [Task(0, 16, 0, 16, None, 0)]) is None
+
+
+def test_flash_kernels_refuse_bands_flash_would_drop():
+    """FA2 treats window_size_right >= seqlen_k as unbounded (700x300 band (-500, 0) came out
+    wrong on H200 with torch's flash and flash-attn 2.8.3): such tasks must go to another kernel."""
+    from dtcp.kernels import flash_band_reason
+    from dtcp.schedule import Task
+
+    why = flash_band_reason([Task(0, 700, 0, 300, -500, 0)], "flash")
+    assert why is not None and "drops a right window" in why
+    for ok in (Task(0, 300, 0, 700, -200, 450), Task(0, 64, 0, 64, None, 0), Task(0, 700, 0, 300, None, None),
+               Task(0, 700, 0, 300, -500, 299)):
+        assert flash_band_reason([ok], "flash") is None, ok
+
+
+def fast_path_vs_op(layout_spec):
+    """The eager fast path and the custom op give bit-identical out, lse and gradients."""
+    from dtcp import ops
+
+    results = []
+    for fast in (True, False):
+        ops.EAGER_FAST_PATH = fast
+        try:
+            torch.manual_seed(dist.get_rank())
+            q = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
+            k = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
+            v = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
+            out, lse = dtcp.ring_attention(q, k, v, layout=layout_spec, is_causal=True, enable_gqa=True,
+                                           backend="math", return_lse=True)
+            is_op = out.grad_fn.name().startswith("GeneratedBackwardFor_dtcp")
+            out.backward(torch.cos(out.detach()))
+            results.append((is_op, [out.detach(), lse, q.grad, k.grad, v.grad]))
+        finally:
+            ops.EAGER_FAST_PATH = True
+    (fast_is_op, fast_vals), (op_is_op, op_vals) = results
+    assert not fast_is_op and op_is_op, (fast_is_op, op_is_op)
+    for a, b in zip(fast_vals, op_vals):
+        assert torch.equal(a, b)
+    return True
+
+
+@pytest.mark.parametrize("layout_spec", ["zigzag", "striped:2"])
+def test_eager_fast_path_equals_the_custom_op(layout_spec):
+    assert all(run_ranks(2, fast_path_vs_op, layout_spec))
+
+
+def test_fast_path_only_for_plain_eager_calls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dtcp import _compat
+
+    x = torch.randn(2)
+    assert _compat.plain_eager_call(x, x, x, None)
+    with FakeTensorMode():
+        assert not _compat.plain_eager_call(x, x, x, None)
+    with FlopCounterMode(display=False):
+        assert not _compat.plain_eager_call(x, x, x, None)
+    seen = torch.func.vmap(lambda t: torch.tensor(_compat.plain_eager_call(t)))(torch.randn(3, 2))
+    assert not seen.any()
+    assert not _compat.plain_eager_call(torch.nn.Parameter(x))  # a subclass

@@ -1,0 +1,163 @@
+"""Optional CUDA kernels: flex_attention and the flash-attn package (FA2).
+
+Same interface as dtcp/kernels.py (one schedule Task per call, SDPA layout B H L D, natural-log
+lse). Both are registered in kernels.KERNELS; `backend="auto"` prefers cuDNN and PyTorch's flash
+(faster on Hopper, see FACTS) and reaches these only when those cannot serve a request.
+
+flex: any band mask (blocks made from the band directly, never a dense mask), GQA, fp16/bf16/fp32.
+Its backward recomputes the block under autograd and reweights it to the merged (global) out and
+lse, because flex_attention's public API has no backward that takes an external lse:
+  with w = exp(lse_block - lse_global) per row, the block's share of the global gradient is flex's
+  own gradient for dout' = w * dout and d(lse_block) = rowsum(dout' * out_block) - w * rowsum(dout *
+  out_global)  (the second term replaces flex's softmax correction by the global one).
+That costs one extra block forward in the backward; flex is the general-mask fallback, not the
+fast path.
+
+fa2: flash_attn.flash_attn_interface (flash-attn 2.x, `pip install -e ".[flash]"`), BSHD,
+bottom-right aligned windows like PyTorch's bundled flash; used only when installed.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import _compat
+from .kernels import Kernel, _flash_window, acc_dtype, flash_band_reason
+
+_FLEX_BLOCK = 128
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    # The ring calls flex from inside a custom op's implementation: compiled here, at run time,
+    # once per shape (the outer torch.compile never traces into the op).
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _band_mask_mod(lo: Optional[int], hi: Optional[int]):
+    def band(b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx
+        keep = d == d  # all True, as a tensor
+        if lo is not None:
+            keep = keep & (d >= lo)
+        if hi is not None:
+            keep = keep & (d <= hi)
+        return keep
+
+    return band
+
+
+@lru_cache(maxsize=256)
+def band_block_mask(lq: int, lk: int, lo: Optional[int], hi: Optional[int], device: str):
+    """flex BlockMask of the band lo <= kv - q <= hi on an lq x lk block, built from block-level
+    arithmetic (O(blocks), no lq x lk mask is ever materialised). None = no mask."""
+    if lo is None and hi is None:
+        return None
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b = _FLEX_BLOCK
+    nq, nk = math.ceil(lq / b), math.ceil(lk / b)
+    q_first = torch.arange(nq) * b
+    q_last = torch.clamp(q_first + b, max=lq) - 1
+    k_first = torch.arange(nk) * b
+    k_last = torch.clamp(k_first + b, max=lk) - 1
+    d_min = k_first[None, :] - q_last[:, None]  # smallest kv - q inside each block pair
+    d_max = k_last[None, :] - q_first[:, None]
+    some = torch.ones(nq, nk, dtype=torch.bool)
+    every = torch.ones(nq, nk, dtype=torch.bool)
+    if lo is not None:
+        some &= d_max >= lo
+        every &= d_min >= lo
+    if hi is not None:
+        some &= d_min <= hi
+        every &= d_max <= hi
+    partial = some & ~every
+
+    def blocks(m):  # (nq, nk) bool -> counts (1, 1, nq), indices (1, 1, nq, nk) listed ones first
+        count = m.sum(-1).to(torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None].to(device), order[None, None].to(device)
+
+    return BlockMask.from_kv_blocks(
+        *blocks(partial), *blocks(every), BLOCK_SIZE=b, mask_mod=_band_mask_mod(lo, hi), seq_lengths=(lq, lk)
+    )
+
+
+class FlexKernel(Kernel):
+    """torch.nn.attention.flex_attention, compiled: any band, CUDA (no flex backward on CPU)."""
+
+    name = "flex"
+
+    def reject_reason(self, q, k, tasks):
+        if q.device.type != "cuda":
+            return f"flex needs CUDA tensors (flex_attention has no backward on CPU); got {q.device.type}"
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"flex takes float16/bfloat16/float32; got {q.dtype}"
+        if q.shape[-1] < 16:
+            return f"flex needs head_dim >= 16; got {q.shape[-1]}"
+        return None
+
+    def _run(self, q, k, v, lo, hi, scale):
+        mask = band_block_mask(q.shape[2], k.shape[2], lo, hi, str(q.device))
+        return _compat.flex_attention_with_lse(_compiled_flex(), q, k, v, mask, scale, q.shape[1] != k.shape[1])
+
+    def forward(self, q, k, v, lo, hi, scale):
+        out, lse = self._run(q, k, v, lo, hi, scale)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        acc = acc_dtype(q.dtype)
+        with _compat.autograd_inside_custom_op():
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out_blk, lse_blk = self._run(qg, kg, vg, lo, hi, scale)
+            lse_glob = lse.to(acc)
+            lse_own = lse_blk.detach().to(acc)
+            # Rows this block does not reach (lse_blk = -inf) or no block reaches (padding) get 0.
+            w = torch.where(torch.isneginf(lse_own) | torch.isneginf(lse_glob),
+                            torch.zeros_like(lse_glob), torch.exp(lse_own - lse_glob))
+            dout_w = (dout.to(acc) * w.unsqueeze(-1)).to(out_blk.dtype)
+            d_lse = (dout_w.to(acc) * out_blk.detach().to(acc)).sum(-1) - w * (dout.to(acc) * out.to(acc)).sum(-1)
+            dq, dk, dv = torch.autograd.grad((out_blk, lse_blk), (qg, kg, vg), (dout_w, d_lse.to(lse_blk.dtype)))
+        return dq, dk, dv
+
+
+class FlashAttnPackageKernel(Kernel):
+    """The flash-attn package's FA2 (flash_attn.flash_attn_interface), when installed."""
+
+    name = "fa2"
+
+    def reject_reason(self, q, k, tasks):
+        if _compat.flash_attn_package_ops() is None:
+            return 'fa2 needs the flash-attn package (pip install -e ".[flash]"); it is not installed'
+        if q.device.type != "cuda":
+            return f"fa2 needs CUDA tensors; got {q.device.type}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"fa2 takes float16/bfloat16; got {q.dtype}"
+        if q.shape[-1] > 256 or q.shape[-1] % 8:
+            return f"fa2 needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
+        return flash_band_reason(tasks, "fa2")
+
+    def forward(self, q, k, v, lo, hi, scale):
+        fwd, _ = _compat.flash_attn_package_ops()
+        left, right = _flash_window(q.shape[2], k.shape[2], lo, hi)
+        out, lse, *_ = fwd(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, False, left, right, 0.0, None, False
+        )
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        _, bwd = _compat.flash_attn_package_ops()
+        left, right = _flash_window(q.shape[2], k.shape[2], lo, hi)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qt, kt, vt))
+        bwd(
+            dout.transpose(1, 2), qt, kt, vt, out.transpose(1, 2), lse.float().contiguous(), dq, dk, dv,
+            0.0, scale, False, left, right, 0.0, None, False, None,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
