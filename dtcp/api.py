@@ -46,7 +46,8 @@ def ring_attention(
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block)).
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
-        backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash", "cudnn".
+        backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
+            "cudnn", "fa2" (flash-attn package), "flex" (flex_attention); see the README's Backends.
         return_lse: also return the log-sum-exp.
         window_size: (left, right) sliding window in flash-attn's convention (query i sees keys
             i - left .. i + right; -1 = unbounded; causal needs right = 0). Default: the window of
@@ -72,7 +73,7 @@ def ring_attention(
         raise ValueError(
             "cu_seqlens: a DocZigzag layout carries its documents (and their padding); pass cu_seqlens=None"
         )
-    out, lse = ops.ring_attention_forward(
+    out, lse = ops.ring_attention_eager_or_op(
         q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens
     )
     return (out, lse.detach()) if return_lse else out

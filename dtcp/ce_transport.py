@@ -34,28 +34,56 @@ log = logging.getLogger("dtcp")
 
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+_CU_EVENT_DISABLE_TIMING = 0x2
 
 
 class _Driver:
-    """cuStreamWaitValue32_v2 / cuStreamWriteValue32_v2 from libcuda (CUDA >= 12 drivers)."""
+    """The few CUDA driver calls the transport makes, straight from libcuda (CUDA >= 12 drivers):
+    stream memory operations (cuStreamWaitValue32_v2 / cuStreamWriteValue32_v2), which PyTorch
+    does not expose, and, for the per-transfer hot path, event record/wait and cuMemcpyAsync
+    (a ctypes call costs ~1 us; torch.cuda's Stream/Event/stream-context wrappers cost tens of
+    microseconds each, which dominated small ring steps). Streams and pointers are the CUDA
+    runtime's own (cudaStream_t is a CUstream; device pointers are unified addresses)."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
-        self.wait32 = lib.cuStreamWaitValue32_v2
-        self.write32 = lib.cuStreamWriteValue32_v2
-        for f in (self.wait32, self.write32):
-            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            f.restype = ctypes.c_int
+        u64, vp = ctypes.c_uint64, ctypes.c_void_p
+        self.wait32 = self._fn(lib, "cuStreamWaitValue32_v2", [vp, u64, ctypes.c_uint32, ctypes.c_uint])
+        self.write32 = self._fn(lib, "cuStreamWriteValue32_v2", [vp, u64, ctypes.c_uint32, ctypes.c_uint])
+        self.memcpy = self._fn(lib, "cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp])
+        self.event_create = self._fn(lib, "cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint])
+        self.event_record = self._fn(lib, "cuEventRecord", [vp, vp])
+        self.stream_wait_event = self._fn(lib, "cuStreamWaitEvent", [vp, vp, ctypes.c_uint])
 
-    def wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        err = self.wait32(ctypes.c_void_p(stream.cuda_stream), addr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ)
-        if err:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
+    @staticmethod
+    def _fn(lib, name, argtypes):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, ctypes.c_int
+        return f
 
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        err = self.write32(ctypes.c_void_p(stream.cuda_stream), addr, value & 0xFFFFFFFF, _CU_STREAM_WRITE_VALUE_DEFAULT)
+    @staticmethod
+    def _check(err: int, what: str) -> None:
         if err:
-            raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {err}")
+            raise RuntimeError(f"{what} failed with CUresult {err}")
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        self._check(self.wait32(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        self._check(self.write32(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self.memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+    def new_event(self) -> int:
+        ev = ctypes.c_void_p()
+        self._check(self.event_create(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        return ev.value
+
+    def order(self, waiter: int, event: int, after: int) -> None:
+        """Make stream `waiter` wait for the work enqueued so far on stream `after`."""
+        self._check(self.event_record(event, after), "cuEventRecord")
+        self._check(self.stream_wait_event(waiter, event, 0), "cuStreamWaitEvent")
 
 
 # flags (int32) per rank: [direction][kind][slot], kind 0 = "full" (written by the sender),
@@ -74,7 +102,7 @@ class CopyEngineRing:
     def __init__(self, pg: "dist.ProcessGroup", device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.pg, self.device = pg, device
+        self.pg, self.device, self.device_index = pg, device, device.index
         self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
         self.name = _compat.name_of_group(pg)
         _compat.enable_symm_mem(self.name)
@@ -85,6 +113,7 @@ class CopyEngineRing:
         self.flag_handle = symm_mem.rendezvous(self.flags, self.name)
         self.slot_bytes = 0
         self.slots = None
+        self._view_cache: dict = {}
         self._remote_slots: dict[int, torch.Tensor] = {}
         self._flag_base = {r: (self.flags.data_ptr() if r == self.rank else
                                self.flag_handle.get_buffer(r, (_FLAGS,), torch.int32).data_ptr())
@@ -92,6 +121,14 @@ class CopyEngineRing:
         self.seq = [[0] * _NUM_SLOTS for _ in range(2)]  # per direction, per slot
         # one side stream per (direction, K/V or dK/dV), so a dK/dV send never delays a K/V one
         self.streams = [[torch.cuda.Stream(device=device) for _ in range(2)] for _ in range(2)]
+        self.stream_handles = [[s.cuda_stream for s in pair] for pair in self.streams]
+        # one event per side stream for "side waits for compute" and one for "compute waits for side"
+        self.events_in = [[self.driver.new_event() for _ in range(2)] for _ in range(2)]
+        self.events_out = [[self.driver.new_event() for _ in range(2)] for _ in range(2)]
+        # Tensors sent since the last drain: kept alive until the copies reading them are ordered
+        # before the compute stream (drain), so the caching allocator cannot hand their memory
+        # to new compute-stream work while a copy engine still reads it.
+        self._in_flight: list[torch.Tensor] = []
         torch.cuda.synchronize(device)
         dist.barrier(group=pg)
 
@@ -100,18 +137,29 @@ class CopyEngineRing:
             return
         # Collective: every rank makes the same calls in the same order.
         torch.cuda.synchronize(self.device)
+        self._view_cache.clear()
         self.slots = self.symm_mem.empty(_NUM_SLOTS * nbytes, dtype=torch.uint8, device=self.device)
         self.slot_handle = self.symm_mem.rendezvous(self.slots, self.name)
         self.slot_bytes = nbytes
         self._remote_slots = {r: self.slot_handle.get_buffer(r, (nbytes * _NUM_SLOTS,), torch.uint8)
                               for r in range(self.world) if r != self.rank}
+        self._slot_base = {r: (self.slots if r == self.rank else self._remote_slots[r]).data_ptr()
+                           for r in range(self.world)}
         dist.barrier(group=self.pg)
 
     def buffers(self, like: list[torch.Tensor], first_slot: int) -> list[list[torch.Tensor]]:
         """Two receive buffers shaped like `like` (a list of tensors), in slots first_slot and +1."""
+        key = (first_slot, tuple((t.shape, t.dtype) for t in like))
+        cached = self._view_cache.get(key)
+        if cached is not None:
+            return cached
         nbytes = sum(_aligned(t.numel() * t.element_size()) for t in like)
         self._ensure_slots(nbytes)
-        return [self._views(self.rank, like, first_slot + i) for i in range(2)]
+        views = [self._views(self.rank, like, first_slot + i) for i in range(2)]
+        if len(self._view_cache) >= 64:
+            self._view_cache.clear()
+        self._view_cache[key] = views  # valid until the slots are reallocated (_ensure_slots clears it)
+        return views
 
     def _views(self, rank: int, like, slot: int) -> list[torch.Tensor]:
         views, offset = [], slot * self.slot_bytes
@@ -144,18 +192,24 @@ class CopyEngineRing:
         nxt, prv = (self.rank + shift) % self.world, (self.rank - shift) % self.world
         self.seq[direction][slot] += 1
         seq = self.seq[direction][slot]
-        compute = torch.cuda.current_stream(self.device)
-        side = self.streams[direction][slot // 2]
-        side.wait_stream(compute)  # sources are ready; our previous uses of `recv` are enqueued
+        d = self.driver
+        compute = torch.cuda.current_stream(self.device_index).cuda_stream
+        side = self.stream_handles[direction][slot // 2]
+        # sources are ready, and our previous uses of `recv` are enqueued, before the side stream goes on
+        d.order(side, self.events_in[direction][slot // 2], compute)
         # 1. our recv slot is free again (everything that read it is enqueued before this point)
-        self.driver.write(side, self._flag_addr(prv, _flag_index(direction, 1, slot)), seq)
+        d.write(side, self._flag_addr(prv, _flag_index(direction, 1, slot)), seq)
         # 2. wait until the next rank has freed its slot, copy into it, then flag it full
-        self.driver.wait(side, self._flag_addr(self.rank, _flag_index(direction, 1, slot)), seq)
-        with torch.cuda.stream(side):
-            for src, dst in zip(send, self._views(nxt, send, slot)):
-                dst.copy_(src, non_blocking=True)  # same dtype, contiguous: cudaMemcpyAsync (copy engine)
-                src.record_stream(side)
-        self.driver.write(side, self._flag_addr(nxt, _flag_index(direction, 0, slot)), seq)
+        d.wait(side, self._flag_addr(self.rank, _flag_index(direction, 1, slot)), seq)
+        dst = self._slot_base[nxt] + slot * self.slot_bytes
+        for src in send:
+            if not src.is_contiguous():
+                raise ValueError("copy-engine exchange: send tensors must be contiguous")
+            n = src.numel() * src.element_size()
+            d.copy(dst, src.data_ptr(), n, side)  # a copy engine over NVLink
+            self._in_flight.append(src)
+            dst += _aligned(n)
+        d.write(side, self._flag_addr(nxt, _flag_index(direction, 0, slot)), seq)
         return (direction, slot, seq)
 
     def wait(self, pending: tuple) -> None:
@@ -163,16 +217,17 @@ class CopyEngineRing:
         wait for our own outgoing copy: slots are only rewritten after a later exchange frees
         them, ordered behind that copy on its side stream. `drain` waits for the copies."""
         direction, slot, seq = pending
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self.device_index).cuda_stream
         self.driver.wait(compute, self._flag_addr(self.rank, _flag_index(direction, 0, slot)), seq)
 
     def drain(self) -> None:
         """Make the current stream wait for every outgoing copy (before the caller's tensors that
         were sent may be changed, and at the end of each ring call)."""
-        compute = torch.cuda.current_stream(self.device)
-        for pair in self.streams:
-            for side in pair:
-                compute.wait_stream(side)
+        compute = torch.cuda.current_stream(self.device_index).cuda_stream
+        for direction in range(2):
+            for kind in range(2):
+                self.driver.order(compute, self.events_out[direction][kind], self.stream_handles[direction][kind])
+        self._in_flight.clear()
 
 
 def _aligned(n: int, a: int = 256) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import _compat
 from ._groups import global_rank, group_rank, group_size, ring_group
 
 
@@ -78,6 +79,20 @@ class RingComm:
                 self.ce.wait(w[1])
             else:
                 w.wait()
+
+
+_COMMS: dict = {}
+
+
+def ring_comm(pg: "dist.ProcessGroup", device: "torch.device") -> RingComm:
+    """The RingComm for (pg, device), made once: building one resolves groups, backends and the
+    copy-engine ring, which is too slow for every call of a small ring (eager, short sequences)."""
+    key = (_compat.name_of_group(pg), device.type, device.index, os.environ.get("DTCP_TRANSPORT", "ce"),
+           os.environ.get("DTCP_HIGH_PRIORITY_RING", "1"))
+    comm = _COMMS.get(key)
+    if comm is None:
+        comm = _COMMS[key] = RingComm(pg, device)
+    return comm
 
 
 def nbytes(tensors) -> int:

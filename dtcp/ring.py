@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .comm import STATS, RingComm, nbytes
+from .comm import STATS, nbytes, ring_comm
 from .kernels import Kernel, acc_dtype
 from .merge import merge_into_
 from .schedule import RingPlan
@@ -65,7 +65,7 @@ def _covers_all_rows(step, local_len: int) -> bool:
 def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm: Optional[object] = None):
     """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards.
     Returns out (B, Hq, L, D) in q.dtype and lse (B, Hq, L) float32 (float64 for float64)."""
-    comm = RingComm(pg, q.device) if comm is None else comm
+    comm = ring_comm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
@@ -116,7 +116,7 @@ def _send_next_block(comm, plan: RingPlan, t: int, cur, local, nxt):
 def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float,
                   comm: Optional[object] = None):
     """Gradients of ring_forward. Returns dq, dk, dv in the input dtypes."""
-    comm = RingComm(pg, q.device) if comm is None else comm
+    comm = ring_comm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
