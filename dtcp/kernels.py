@@ -171,6 +171,18 @@ def flash_band_reason(tasks: Iterable[Task], name: str) -> Optional[str]:
     return None
 
 
+def flash2_reason(q: torch.Tensor, tasks: Iterable[Task], name: str) -> Optional[str]:
+    """Why a FlashAttention-2 kernel (PyTorch's bundled one or the flash-attn package's) cannot
+    serve these inputs and tasks, or None."""
+    if q.device.type != "cuda":
+        return f"{name} needs CUDA tensors; got {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{name} takes float16/bfloat16; got {q.dtype}"
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        return f"{name} needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
+    return flash_band_reason(tasks, name)
+
+
 class CudaFlashKernel(Kernel):
     """PyTorch's bundled FlashAttention-2 (aten._flash_attention_forward/backward): fp16/bf16,
     head dim <= 256, GQA and sliding windows native (bottom-right aligned)."""
@@ -178,13 +190,7 @@ class CudaFlashKernel(Kernel):
     name = "flash"
 
     def reject_reason(self, q, k, tasks):
-        if q.device.type != "cuda":
-            return f"flash needs CUDA tensors; got {q.device.type}"
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"flash takes float16/bfloat16; got {q.dtype}"
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            return f"flash needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
-        return flash_band_reason(tasks, "flash")
+        return flash2_reason(q, tasks, "flash")
 
     def forward(self, q, k, v, lo, hi, scale):
         fwd, _ = _compat.cuda_flash_ops()

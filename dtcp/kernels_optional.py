@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from . import _compat
-from .kernels import Kernel, _flash_window, acc_dtype, flash_band_reason
+from .kernels import Kernel, _flash_window, acc_dtype, flash2_reason
 
 _FLEX_BLOCK = 128
 
@@ -108,8 +108,7 @@ class FlexKernel(Kernel):
         return _compat.flex_attention_with_lse(_compiled_flex(), q, k, v, mask, scale, q.shape[1] != k.shape[1])
 
     def forward(self, q, k, v, lo, hi, scale):
-        out, lse = self._run(q, k, v, lo, hi, scale)
-        return out, lse
+        return self._run(q, k, v, lo, hi, scale)
 
     def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
         acc = acc_dtype(q.dtype)
@@ -135,13 +134,7 @@ class FlashAttnPackageKernel(Kernel):
     def reject_reason(self, q, k, tasks):
         if _compat.flash_attn_package_ops() is None:
             return 'fa2 needs the flash-attn package (pip install -e ".[flash]"); it is not installed'
-        if q.device.type != "cuda":
-            return f"fa2 needs CUDA tensors; got {q.device.type}"
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"fa2 takes float16/bfloat16; got {q.dtype}"
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            return f"fa2 needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
-        return flash_band_reason(tasks, "fa2")
+        return flash2_reason(q, tasks, "fa2")
 
     def forward(self, q, k, v, lo, hi, scale):
         fwd, _ = _compat.flash_attn_package_ops()
