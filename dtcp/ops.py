@@ -81,6 +81,19 @@ def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
 _KERNEL_CHOICE: dict[tuple, Kernel] = {}
 
 
+def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens):
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
+    with _on_device_of(q):
+        return ring_forward(q, k, v, pg, plan, kernel, scale)
+
+
+def _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
+                  window_left, window_right, cu_seqlens):
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
+    with _on_device_of(q):
+        return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
+
+
 def _on_device_of(t: torch.Tensor):
     """The ring's streams and driver calls act on the current CUDA device: make it t's."""
     if t.device.type == "cuda" and torch.cuda.current_device() != t.device.index:
@@ -96,9 +109,7 @@ def ring_attention_forward(
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
-    with _on_device_of(q):
-        return ring_forward(q, k, v, pg, plan, kernel, scale)
+    return _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens)
 
 
 @ring_attention_forward.register_fake
@@ -113,9 +124,8 @@ def ring_attention_backward(
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
-    with _on_device_of(q):
-        return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
+    return _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
+                         window_left, window_right, cu_seqlens)
 
 
 @ring_attention_backward.register_fake
@@ -154,22 +164,17 @@ EAGER_FAST_PATH = True
 
 class _RingAttentionEager(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens):
-        pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
-        with _on_device_of(q):
-            out, lse = ring_forward(q, k, v, pg, plan, kernel, scale)
+    def forward(ctx, q, k, v, *args):
+        out, lse = _run_forward(q, k, v, *args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = (pg, plan, kernel, scale)
+        ctx.args = args
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        pg, plan, kernel, scale = ctx.ring
-        with _on_device_of(q):
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
-        return (dq, dk, dv) + (None,) * 8
+        return _run_backward(dout, q, k, v, out, lse, *ctx.args) + (None,) * len(ctx.args)
 
 
 def ring_attention_eager_or_op(q, k, v, *args):
