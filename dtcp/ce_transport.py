@@ -155,18 +155,19 @@ class CopyEngineRing:
             return cached
         nbytes = sum(_aligned(t.numel() * t.element_size()) for t in like)
         self._ensure_slots(nbytes)
-        views = [self._views(self.rank, like, first_slot + i) for i in range(2)]
+        views = [self._views(like, first_slot + i) for i in range(2)]
         if len(self._view_cache) >= 64:
             self._view_cache.clear()
         self._view_cache[key] = views  # valid until the slots are reallocated (_ensure_slots clears it)
         return views
 
-    def _views(self, rank: int, like, slot: int) -> list[torch.Tensor]:
+    def _views(self, like, slot: int) -> list[torch.Tensor]:
+        """Tensors shaped like `like`, packed into our own slot `slot` (the layout the senders'
+        copies in `exchange` write)."""
         views, offset = [], slot * self.slot_bytes
         for t in like:
             n = t.numel() * t.element_size()
-            base = self.slots if rank == self.rank else self._remote_slots[rank]
-            raw = base[offset:offset + n]
+            raw = self.slots[offset:offset + n]
             views.append(raw.view(t.dtype).view(t.shape))
             offset += _aligned(n)
         return views
