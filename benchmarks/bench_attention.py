@@ -7,7 +7,8 @@
 For each total sequence length S and configuration it times forward and forward+backward of
   ideal       the same local kernels on this rank's blocks, with the same merges, and no
               communication (dtcp's ring with a no-op communicator);
-  dtcp        dtcp.ring_attention (eager, and inside torch.compile);
+  dtcp        dtcp.ring_attention (eager, and inside torch.compile), with each --kv-exchange
+              (auto, ring, allgather; named dtcp-<layout> for auto, dtcp-<layout>-<exchange> else);
   torch-cp    PyTorch's torch.distributed.tensor.experimental.context_parallel with the same
               kernel, rotate method allgather and alltoall (CUDA only);
 and reports ms, TFLOPs per GPU (causal fwd FLOPs = 2*B*H*S^2*D / N, fwd+bwd = 3.5x that), the
@@ -83,7 +84,7 @@ def reset_mem(device):
         torch.cuda.reset_peak_memory_stats()
 
 
-def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode):
+def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode, kv_exchange="auto"):
     world = dist.get_world_size()
     local = s // world
     q = torch.randn(args.batch, args.heads, local, args.head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -94,7 +95,7 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode):
 
     if mode == "ideal":
         name = dtcp._groups.group_name(None)
-        pg, plan, kernel = ops.prepare(q, k, name, layout.spec(), True, backend)
+        pg, plan, kernel = ops.prepare(q, k, name, layout.spec(), True, backend, kv_exchange="ring")
         scale = default_scale(args.head_dim)
         nocomm = NoComm()
 
@@ -106,7 +107,8 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode):
             return ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, pg, plan, kernel, scale, comm=nocomm)
     else:
         def attn(q, k, v):
-            return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=gqa, backend=backend)
+            return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=gqa, backend=backend,
+                                       kv_exchange=kv_exchange)
 
         if mode == "compile":
             attn = torch.compile(attn, fullgraph=True)
@@ -141,7 +143,9 @@ def bench_torch_cp(args, s, hkv, backend, device, dtype, timer, rotate):
     from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sdpa_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    # "auto": cuDNN, which SDPA itself prefers on H200 (and torchtitan's CP runs there).
+    sdpa_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                    "auto": SDPBackend.CUDNN_ATTENTION}[backend]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     set_rotate_method(rotate)
     q = torch.randn(args.batch, args.heads, s, args.head_dim, device=device, dtype=dtype)
@@ -226,6 +230,7 @@ def main():
     p.add_argument("--layouts", nargs="+", default=["zigzag"])
     p.add_argument("--backends", nargs="+", default=None)
     p.add_argument("--modes", nargs="+", default=["eager", "compile"])
+    p.add_argument("--kv-exchange", nargs="+", default=["auto"], choices=["auto", "ring", "allgather"])
     p.add_argument("--torch-cp", nargs="*", default=["allgather", "alltoall"], help="rotate methods; empty to skip")
     p.add_argument("--torch-cp-max-seq", type=int, default=262144)
     p.add_argument("--warmup", type=int, default=3)
@@ -259,14 +264,15 @@ def main():
                 kv_bytes = 2 * args.batch * hkv * (s // world) * args.head_dim * torch.finfo(dtype).bits // 8
                 for layout_name in args.layouts:
                     layout = dtcp.layout_from_spec(layout_name)
-                    for mode in ["ideal"] + args.modes:
+                    runs = [("ideal", "ring")] + [(m, x) for m in args.modes for x in args.kv_exchange]
+                    for mode, exchange in runs:
+                        system = "ideal" if mode == "ideal" else f"dtcp-{layout_name}" + ("" if exchange == "auto" else f"-{exchange}")
                         try:
-                            r = bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode)
-                            report("ideal" if mode == "ideal" else f"dtcp-{layout_name}", s, hkv, backend,
-                                   layout_name, mode, *r, 0 if mode == "ideal" else kv_bytes)
+                            r = bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode, exchange)
+                            report(system, s, hkv, backend, layout_name, mode, *r, 0 if mode == "ideal" else kv_bytes)
                         except Exception as e:
                             if rank == 0:
-                                print(f"S={s} {layout_name} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                                print(f"S={s} {system} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
                 if device.type == "cuda" and s <= args.torch_cp_max_seq:
                     for rotate in args.torch_cp:
                         try:

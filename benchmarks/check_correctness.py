@@ -58,7 +58,7 @@ def run_case(layout, is_causal, hq, hkv, backend, args, device, dtype):
 
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv,
-                                   backend=backend, return_lse=True)
+                                   backend=backend, return_lse=True, kv_exchange=args.kv_exchange)
     out.backward(shard(dout))
     ring = dict(zip(KEYS, (out, lse, local[0].grad, local[1].grad, local[2].grad)))
 
@@ -88,6 +88,7 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-ratio", type=float, default=1.5)
+    p.add_argument("--kv-exchange", default="auto", choices=["auto", "ring", "allgather"])
     p.add_argument("--json", default=None)
     p.add_argument("--causal", nargs="+", type=int, default=[1, 0], help="1 causal, 0 not")
     p.add_argument("--heads", nargs="+", default=["8/8", "8/2"], help="query/kv head pairs")
@@ -129,7 +130,8 @@ def main():
                               f"dk {row['ring_err']['dk']:.2e} | ratio to kernel: "
                               + " ".join(f"{k} {r[k]:.2f}" for k in KEYS) + (f"  {err}" if err else ""), flush=True)
     if rank == 0:
-        print(f"{world} ranks, {device.type}, {dtype}, S={args.seq_len}, B={args.batch}, D={args.head_dim}: "
+        print(f"{world} ranks, {device.type}, {dtype}, S={args.seq_len}, B={args.batch}, D={args.head_dim}, "
+              f"kv_exchange={args.kv_exchange}: "
               f"{len(rows) - failures} passed, {failures} failed")
         if args.json:
             with open(args.json, "w") as f:

@@ -32,6 +32,24 @@ def new_high_priority_nccl_group(ranks: list[int]) -> "dist.ProcessGroup":
     return dist.new_group(ranks, backend="nccl", pg_options=opts, use_local_synchronization=True)
 
 
+# Whole-tensor all-gather / reduce-scatter (output and input single tensors, dim 0 split).
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single and deprecates the old names (FutureWarning); 2.11 has only the old ones.
+# Checked on torch 2.11+cu130 (NCCL) and 2.13.0+cpu (gloo, both names).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, pg: "dist.ProcessGroup") -> None:
+    """output (N * input.shape[0], ...) <- every rank's input, rank-major."""
+    _ALL_GATHER(output, input, group=pg)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, pg: "dist.ProcessGroup") -> None:
+    """output <- the sum over ranks of their input's rank-th slice along dim 0."""
+    _REDUCE_SCATTER(output, input, group=pg)
+
+
 def enable_symm_mem(group_name: str) -> None:
     # torch.distributed._symmetric_memory: enable_symm_mem_for_group must precede rendezvous on
     # torch 2.11 (checked on 2.11+cu130); later releases deprecate it as a no-op. The module

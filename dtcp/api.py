@@ -10,6 +10,7 @@ import torch
 from . import ops
 from ._groups import GroupLike, group_name, group_size, resolve_group
 from .kernels import default_scale
+from .schedule import KV_EXCHANGES, allgather_reason
 from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
 from .window import current_window
 
@@ -30,6 +31,7 @@ def ring_attention(
     return_lse: bool = False,
     window_size: Optional[tuple[int, int]] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    kv_exchange: str = "auto",
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -56,6 +58,14 @@ def ring_attention(
         cu_seqlens: (num_docs + 1,) int tensor of global document boundaries of the packed
             sequence (0 = c0 <= ... <= cn = S, the same on every rank): tokens attend only within
             their document. Rows that see no key at all get out 0 and lse 0.
+        kv_exchange: how K/V reach the other ranks. "ring": blocks travel around the ring, each
+            transfer overlapped with the previous block's kernels (dK/dV travel back the same way);
+            the choice for long sequences. "allgather": one all-gather of K/V, one kernel call per
+            run of local queries, one reduce-scatter of dK/dV in the backward; no overlap, but a
+            handful of operations per call, for short sequences where a ring call is bound by
+            host time (contiguous and zigzag layouts). "auto" (default): "allgather" on CUDA when
+            the whole sequence's K/V is at most 32 MiB and the layout allows, else "ring".
+            Both give the same result.
 
     Returns:
         out (B, Hq, S_local, D), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
@@ -73,8 +83,15 @@ def ring_attention(
         raise ValueError(
             "cu_seqlens: a DocZigzag layout carries its documents (and their padding); pass cu_seqlens=None"
         )
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {kv_exchange!r}")
+    if kv_exchange == "allgather":
+        why = allgather_reason(layout, q.shape[2], group_size(pg))
+        if why is not None:
+            raise ValueError(f"kv_exchange='allgather': {why}. Use kv_exchange='ring' (or 'auto')")
     out, lse = ops.ring_attention_eager_or_op(
-        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens
+        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens,
+        kv_exchange,
     )
     return (out, lse.detach()) if return_lse else out
 
@@ -93,6 +110,7 @@ def flash_attn_varlen_func(
     layout: Union[Layout, str] = Contiguous(),
     backend: str = "auto",
     return_lse: bool = False,
+    kv_exchange: str = "auto",
 ):
     """flash-attn's `flash_attn_varlen_func` for a packed sequence sharded over a CP group.
 
@@ -104,8 +122,8 @@ def flash_attn_varlen_func(
         max_seqlen: accepted for flash-attn compatibility and not needed (the schedule reads
             the boundaries themselves).
         causal, window_size, softmax_scale: as in flash-attn (window (left, right), -1 unbounded).
-        group, layout, backend: as in `ring_attention`; the default layout is contiguous, where
-            a window needs the fewest rounds.
+        group, layout, backend, kv_exchange: as in `ring_attention`; the default layout is
+            contiguous, where a window needs the fewest rounds.
 
     Returns:
         out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.
@@ -119,7 +137,7 @@ def flash_attn_varlen_func(
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, lse = ring_attention(
         q4, k4, v4, group, layout=layout, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
-        backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens,
+        backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens, kv_exchange=kv_exchange,
     )
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out

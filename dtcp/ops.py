@@ -10,22 +10,25 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from . import _compat
+from .allgather import allgather_backward, allgather_forward
 from .kernels import Kernel, acc_dtype, select_kernel
 from .layouts import DocZigzag, layout_from_spec
 from .ring import ring_backward, ring_forward
-from .schedule import AttnMask, RingPlan, ring_plans
+from .schedule import AllGatherPlan, AttnMask, RingPlan, allgather_plans, choose_kv_exchange, ring_plans
 
 
 @lru_cache(maxsize=512)
 def _plans(
     layout_spec: str, local_len: int, world_size: int, is_causal: bool,
     window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[tuple[int, ...]] = None,
-) -> tuple[RingPlan, ...]:
+    kv_exchange: str = "ring",
+) -> tuple[Union[RingPlan, AllGatherPlan], ...]:
+    """Every rank's plan; kv_exchange is "ring" or "allgather" (already resolved)."""
     layout = layout_from_spec(layout_spec)
     seq_len = local_len * world_size
     segments = None
@@ -34,6 +37,8 @@ def _plans(
     elif isinstance(layout, DocZigzag):
         segments = layout.segments(world_size)  # the layout carries its documents
     mask = AttnMask.make(is_causal, window, segments)
+    if kv_exchange == "allgather":
+        return allgather_plans(layout, local_len, world_size, is_causal, mask)
     return ring_plans(layout, local_len, world_size, is_causal, mask)
 
 
@@ -61,36 +66,60 @@ def _cu_tuple(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
 
 
 def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
-            window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[torch.Tensor] = None) -> tuple:
-    """(process group, this rank's plan, kernel). The kernel is chosen against every rank's tasks
-    so that all ranks use the same one."""
+            window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[torch.Tensor] = None,
+            kv_exchange: str = "auto") -> tuple:
+    """(process group, this rank's plan, kernel). The plan is a RingPlan or an AllGatherPlan
+    (kv_exchange, resolved the same way on every rank: from shapes, layout and device only).
+    The kernel is chosen against every rank's tasks so that all ranks use the same one."""
     pg = _compat.group_from_name(group_name)
     n, r = pg.size(), pg.rank()
-    plan_key = (layout, q.shape[2], n, is_causal, tuple(window), _cu_tuple(cu_seqlens))
+    exchange_key = (kv_exchange, layout, q.shape, k.shape, k.dtype, q.device.type, n)
+    exchange = _EXCHANGE_CHOICE.get(exchange_key)
+    if exchange is None:
+        gathered_kv_bytes = 2 * k.numel() * k.element_size() * n
+        exchange = _EXCHANGE_CHOICE[exchange_key] = choose_kv_exchange(
+            kv_exchange, layout_from_spec(layout), q.shape[2], n, q.device.type, gathered_kv_bytes)
+    plan_key = (layout, q.shape[2], n, is_causal, tuple(window), _cu_tuple(cu_seqlens), exchange)
     plans = _plans(*plan_key)
     # Kernels decide from the device, dtype and head dim and the tasks: cache the choice per
     # plan so the hot path doesn't walk every rank's tasks on every call.
     kernel_key = (plan_key, backend, q.device.type, q.dtype, q.shape[-1])
     kernel = _KERNEL_CHOICE.get(kernel_key)
     if kernel is None:
-        all_tasks = [task for plan in plans for step in plan.steps for task in step.tasks]
+        all_tasks = [task for plan in plans for task in _tasks_of(plan)]
         kernel = _KERNEL_CHOICE[kernel_key] = select_kernel(backend, q, k, all_tasks)
     return pg, plans[r], kernel
 
 
+def _tasks_of(plan) -> list:
+    if isinstance(plan, AllGatherPlan):
+        return list(plan.tasks)
+    return [task for step in plan.steps for task in step.tasks]
+
+
 _KERNEL_CHOICE: dict[tuple, Kernel] = {}
+_EXCHANGE_CHOICE: dict[tuple, str] = {}
 
 
-def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens):
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
+def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens,
+                 kv_exchange="auto", keep=False):
+    """(out, lse, kept): kept is what the backward may reuse (the all-gather schedule's gathered
+    K/V) when `keep`, else None."""
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
+                               kv_exchange)
     with _on_device_of(q):
-        return ring_forward(q, k, v, pg, plan, kernel, scale)
+        if isinstance(plan, AllGatherPlan):
+            return allgather_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
+        return ring_forward(q, k, v, pg, plan, kernel, scale) + (None,)
 
 
 def _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
-                  window_left, window_right, cu_seqlens):
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens)
+                  window_left, window_right, cu_seqlens, kv_exchange="auto", kept=None):
+    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
+                               kv_exchange)
     with _on_device_of(q):
+        if isinstance(plan, AllGatherPlan):
+            return allgather_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
         return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
 
 
@@ -102,18 +131,23 @@ def _on_device_of(t: torch.Tensor):
 
 
 # window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
-# document boundaries or None. Both default to "no window, one document".
+# document boundaries or None. Both default to "no window, one document". kv_exchange: "auto",
+# "ring" or "allgather" (see schedule.choose_kv_exchange).
 @torch.library.custom_op("dtcp::ring_attention_forward", mutates_args=())
 def ring_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
+    kv_exchange: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens)
+    out, lse, _ = _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
+                               cu_seqlens, kv_exchange)
+    return out, lse
 
 
 @ring_attention_forward.register_fake
-def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None):
+def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None,
+      kv_exchange="auto"):
     # The real op returns fresh contiguous tensors; the fakes must have the same strides.
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
@@ -123,29 +157,38 @@ def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
+    kv_exchange: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
-                         window_left, window_right, cu_seqlens)
+                         window_left, window_right, cu_seqlens, kv_exchange)
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None):
+def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1,
+      cu_seqlens=None, kv_exchange="auto"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# Defaults of the op's arguments after q, k, v (group_name .. kv_exchange), to fill in what a
+# caller left out.
+_OP_DEFAULTS = (None, None, None, None, None, -1, -1, None, "auto")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
     out, lse = output
-    cu_seqlens = args[-1] if len(args) == 8 else None
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = tuple(args[:7])
     ctx.num_args = len(args)
+    args = list(args) + list(_OP_DEFAULTS[len(args):])
+    ctx.save_for_backward(q, k, v, out, lse, args[7])
+    ctx.args = tuple(args[:7])
+    ctx.kv_exchange = args[8]
 
 
 def _backward(ctx, dout, dlse):
     # lse is handed to users detached (see api.ring_attention), so dlse carries nothing.
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args, cu_seqlens=cu_seqlens)
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args, cu_seqlens=cu_seqlens,
+                                         kv_exchange=ctx.kv_exchange)
     return (dq, dk, dv) + (None,) * ctx.num_args
 
 
@@ -165,8 +208,11 @@ EAGER_FAST_PATH = True
 class _RingAttentionEager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *args):
-        out, lse = _run_forward(q, k, v, *args)
+        # When a backward will follow, keep the all-gather schedule's gathered K/V for it (one
+        # collective and its reordering fewer per layer; see allgather.py for the memory).
+        out, lse, kept = _run_forward(q, k, v, *args, keep=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kept = kept
         ctx.args = args
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -174,11 +220,13 @@ class _RingAttentionEager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return _run_backward(dout, q, k, v, out, lse, *ctx.args) + (None,) * len(ctx.args)
+        kept, ctx.kept = ctx.kept, None  # released as soon as it is used
+        return _run_backward(dout, q, k, v, out, lse, *ctx.args, kept=kept) + (None,) * len(ctx.args)
 
 
 def ring_attention_eager_or_op(q, k, v, *args):
-    """ring_attention_forward's (out, lse), through the eager fast path where it applies."""
-    if EAGER_FAST_PATH and _compat.plain_eager_call(q, k, v, args[-1]):
+    """ring_attention_forward's (out, lse), through the eager fast path where it applies. `args`
+    are all of the op's arguments after q, k, v (group_name .. kv_exchange)."""
+    if EAGER_FAST_PATH and _compat.plain_eager_call(q, k, v, args[7]):
         return _RingAttentionEager.apply(q, k, v, *args)
     return ring_attention_forward(q, k, v, *args)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from .layouts import Contiguous, Layout, Striped, Zigzag
@@ -180,20 +181,26 @@ def _choose_chains(needed: set[int], n: int) -> tuple[int, int]:
 
 def _masked_tasks(layout: Layout, seq_len: int, n: int, rank: int, src: int, mask: AttnMask) -> list[Task]:
     """Generic decomposition for windows and documents, any layout: one band task per (query
-    run, document, key run) that has a visible pair, trimmed to its visible rows and columns.
-    Within a run local order is global order, so a global band is a band in slice indices.
-    Only key runs inside the document and the window's reach are looked at."""
+    run, document, key run) that has a visible pair, trimmed to its visible rows and columns."""
+    return _band_tasks(layout.runs(seq_len, n, rank), layout.runs(seq_len, n, src), mask, seq_len)
+
+
+def _band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Task]:
+    """Tasks of queries held as the global runs `q_run_list` (in local order) against keys held
+    as `k_run_list`: one band task per (query run, document, key run) with a visible pair. Within
+    a run local order is global order, so a global band is a band in slice indices. Only key runs
+    inside the document and the window's reach are looked at."""
     lo, hi = mask.lo, mask.hi
     segs = mask.segments if mask.segments is not None else ((0, seq_len),)
     seg_starts = [a for a, _ in segs]
     k_runs, ko = [], 0
-    for ka, kb in layout.runs(seq_len, n, src):
+    for ka, kb in k_run_list:
         k_runs.append((ka, kb, ko))
         ko += kb - ka
     k_starts = [ka for ka, _, _ in k_runs]  # runs are in increasing global order
     tasks = []
     qo = 0
-    for qa, qb in layout.runs(seq_len, n, rank):
+    for qa, qb in q_run_list:
         for ds, de in segs[max(bisect.bisect_right(seg_starts, qa) - 1, 0):]:
             if ds >= qb:
                 break
@@ -286,3 +293,116 @@ def _tasks(layout: Layout, L: int, rank: int, src: int, is_causal: bool) -> list
             return [Task(m * b, (m + 1) * b, 0, (m + 1) * b) for m in range(n)]
         return [Task(m * b, (m + 1) * b, 0, m * b) for m in range(1, n)]
     raise NotImplementedError(f"no ring schedule for layout {layout!r}")
+
+
+# ---- the all-gather schedule ---------------------------------------------------------------------
+# For short sequences a ring call is bound by host time (a few dozen tensor operations per step
+# at ~10 us each), not by the GPU. There every rank gathers the whole sequence's K/V in one
+# collective instead, puts it in global order, and makes one kernel call per run of its queries
+# against every key that run sees: no merges, and the backward sums dK/dV in one reduce-scatter.
+
+
+@dataclass(frozen=True)
+class AllGatherPlan:
+    """One rank's all-gather schedule.
+
+    Every rank holds `runs_per_rank` runs of `piece_len` tokens (layout.runs). The gathered
+    buffer holds the pieces rank-major: piece p is run p % R of rank p // R. `global_order[j]` is
+    the piece at global position j (global tokens [j*P, (j+1)*P)).
+
+    `tasks` are kernel calls with query indices local (into this rank's shard) and key indices
+    global (into the whole sequence in order); their query ranges are disjoint and sorted, so
+    no row is computed twice and no merge is needed. Rows in no task see no key (padding under a
+    document mask)."""
+
+    world_size: int
+    rank: int
+    local_len: int
+    runs_per_rank: int
+    piece_len: int
+    global_order: tuple[int, ...]
+    tasks: tuple[Task, ...]
+
+    @property
+    def seq_len(self) -> int:
+        return self.local_len * self.world_size
+
+    @property
+    def rows_tiled(self) -> bool:
+        """Do the tasks' query ranges cover [0, local_len) without a gap (outputs concatenate)?"""
+        end = 0
+        for t in self.tasks:
+            if t.q_start != end:
+                return False
+            end = t.q_end
+        return end == self.local_len
+
+    @property
+    def rank_major_positions(self) -> tuple[int, ...]:
+        """For each piece p in rank-major order, its global position (inverse of global_order)."""
+        pos = [0] * len(self.global_order)
+        for j, p in enumerate(self.global_order):
+            pos[p] = j
+        return tuple(pos)
+
+
+ALLGATHER_MAX_RUNS = 2
+
+
+@lru_cache(maxsize=256)
+def allgather_reason(layout: Layout, local_len: int, world_size: int) -> Optional[str]:
+    """Why the all-gather schedule cannot serve this layout, or None."""
+    seq_len = local_len * world_size
+    runs = [layout.runs(seq_len, world_size, r) for r in range(world_size)]
+    counts = {len(rr) for rr in runs}
+    lens = {b - a for rr in runs for a, b in rr}
+    if len(counts) != 1 or len(lens) != 1:
+        return f"{layout!r} gives ranks runs of unequal lengths"
+    if counts.pop() > ALLGATHER_MAX_RUNS:
+        return (f"{layout!r} holds {len(runs[0])} separate runs of tokens per rank here, and the "
+                f"all-gather schedule makes one kernel call per run (it serves at most "
+                f"{ALLGATHER_MAX_RUNS}: the contiguous and zigzag layouts)")
+    return None
+
+
+def allgather_plans(
+    layout: Layout, local_len: int, world_size: int, is_causal: bool, mask: Optional[AttnMask] = None
+) -> tuple[AllGatherPlan, ...]:
+    """Every rank's all-gather plan. `mask` (window and documents) replaces `is_causal` when given."""
+    why = allgather_reason(layout, local_len, world_size)
+    if why is not None:
+        raise ValueError(f"kv_exchange='allgather': {why}. Use kv_exchange='ring'")
+    n, seq_len = world_size, local_len * world_size
+    if mask is None:
+        mask = AttnMask.make(is_causal)
+    runs = [layout.runs(seq_len, n, r) for r in range(n)]
+    r_count, piece_len = len(runs[0]), runs[0][0][1] - runs[0][0][0]
+    starts = sorted((a, r * r_count + i) for r in range(n) for i, (a, _) in enumerate(runs[r]))
+    global_order = tuple(p for _, p in starts)
+    return tuple(
+        AllGatherPlan(n, r, local_len, r_count, piece_len, global_order,
+                      tuple(_band_tasks(runs[r], [(0, seq_len)], mask, seq_len)))
+        for r in range(n)
+    )
+
+
+KV_EXCHANGES = ("auto", "ring", "allgather")
+# `auto` gathers when the whole sequence's K/V is at most this many bytes (per rank, after the
+# gather): there a ring call is bound by host time (see docs/performance.md, "all-gather").
+ALLGATHER_AUTO_MAX_BYTES = 32 * 2**20
+
+
+def choose_kv_exchange(
+    requested: str, layout: Layout, local_len: int, world_size: int, device_type: str, gathered_kv_bytes: int
+) -> str:
+    """"ring" or "allgather" for a call. `auto` picks the all-gather on CUDA for one-or-two-run
+    layouts (contiguous, zigzag) when the gathered K/V is small (ALLGATHER_AUTO_MAX_BYTES), and
+    the ring otherwise (and always on CPU, where host time is not what bounds a call)."""
+    if requested not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {requested!r}")
+    if requested != "auto":
+        return requested
+    if (device_type == "cuda" and world_size > 1 and gathered_kv_bytes <= ALLGATHER_AUTO_MAX_BYTES
+            and allgather_reason(layout, local_len, world_size) is None):
+        return "allgather"
+    return "ring"

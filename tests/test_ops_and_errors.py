@@ -56,6 +56,9 @@ def error_messages():
         "layout_name": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="spiral"),
         "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True),
         "striped_zero": lambda: dtcp.Striped(0),
+        "kv_exchange": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, kv_exchange="alltoall"),
+        "allgather_striped": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="striped:1",
+                                                         kv_exchange="allgather"),
     }
     return error_messages_of(cases)
 
@@ -77,6 +80,8 @@ EXPECTED = {
     "layout_name": "unknown layout",
     "mesh_2d": "must be 1-D",
     "striped_zero": "positive int",
+    "kv_exchange": "kv_exchange must be one of ('auto', 'ring', 'allgather')",
+    "allgather_striped": "Use kv_exchange='ring'",
 }
 
 
@@ -121,7 +126,7 @@ def test_flash_kernels_refuse_bands_flash_would_drop():
         assert flash_band_reason([ok], "flash") is None, ok
 
 
-def fast_path_vs_op(layout_spec):
+def fast_path_vs_op(layout_spec, kv_exchange="auto"):
     """The eager fast path and the custom op give bit-identical out, lse and gradients."""
     from dtcp import ops
 
@@ -134,7 +139,7 @@ def fast_path_vs_op(layout_spec):
             k = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
             v = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
             out, lse = dtcp.ring_attention(q, k, v, layout=layout_spec, is_causal=True, enable_gqa=True,
-                                           backend="math", return_lse=True)
+                                           backend="math", return_lse=True, kv_exchange=kv_exchange)
             is_op = out.grad_fn.name().startswith("GeneratedBackwardFor_dtcp")
             out.backward(torch.cos(out.detach()))
             results.append((is_op, [out.detach(), lse, q.grad, k.grad, v.grad]))
@@ -147,9 +152,9 @@ def fast_path_vs_op(layout_spec):
     return True
 
 
-@pytest.mark.parametrize("layout_spec", ["zigzag", "striped:2"])
-def test_eager_fast_path_equals_the_custom_op(layout_spec):
-    assert all(run_ranks(2, fast_path_vs_op, layout_spec))
+@pytest.mark.parametrize("layout_spec,kv_exchange", [("zigzag", "ring"), ("striped:2", "ring"), ("zigzag", "allgather")])
+def test_eager_fast_path_equals_the_custom_op(layout_spec, kv_exchange):
+    assert all(run_ranks(2, fast_path_vs_op, layout_spec, kv_exchange))
 
 
 def test_fast_path_only_for_plain_eager_calls():

@@ -43,7 +43,7 @@ def test_example_configs_parse(name):
     assert cfg.model.name == "llama3_dtcp"
     assert cfg.parallelism.context_parallel_degree == 2
     assert cfg.experimental.custom_import == "dtcp.integrations.torchtitan"
-    assert (cfg.dtcp.layout, cfg.dtcp.backend, cfg.dtcp.window_size) == ("zigzag", "auto", -1)
+    assert (cfg.dtcp.layout, cfg.dtcp.backend, cfg.dtcp.window_size, cfg.dtcp.kv_exchange) == ("zigzag", "auto", -1, "auto")
     assert cfg.compile.enable == ("compile" in name)
     assert cfg.model.flavor == ("debugmodel_varlen_attn" if "docmask" in name else "debugmodel")
     opts = dt.dtcp_options(cfg)
@@ -53,9 +53,9 @@ def test_example_configs_parse(name):
 def test_cli_overrides_and_defaults():
     cfg = parse(
         "--job.config_file", os.path.join(EXAMPLES, CONFIGS[0]),
-        "--dtcp.layout", "striped:4", "--dtcp.backend", "math",
+        "--dtcp.layout", "striped:4", "--dtcp.backend", "math", "--dtcp.kv_exchange", "ring",
     )
-    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Striped(4), "math", None)
+    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Striped(4), "math", None, "ring")
     # The section exists with its defaults whenever the custom config module is named.
     cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan")
     assert cfg.dtcp == dt.Dtcp()
@@ -70,6 +70,7 @@ def test_cli_overrides_and_defaults():
         ("layout", "diagonal", r"\[dtcp\] layout = 'diagonal'"),
         ("backend", "fast", r"\[dtcp\] backend = 'fast': use one of \['auto', "),
         ("window_size", -2, r"\[dtcp\] window_size = -2"),
+        ("kv_exchange", "p2p", r"\[dtcp\] kv_exchange = 'p2p': use one of \['auto', 'ring', 'allgather'\]"),
     ],
 )
 def test_bad_options_name_the_key(field, value, match):

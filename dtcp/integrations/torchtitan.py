@@ -20,6 +20,7 @@ a ``[dtcp]`` section::
     layout = "zigzag"               # contiguous | zigzag | striped | striped:<block>
     backend = "auto"                # auto | cudnn | flash | fa2 | flex | cpu_flash | math
     window_size = -1                # causal sliding window: keys up to this many tokens back; -1: none
+    kv_exchange = "auto"            # auto | ring | allgather
 
 What "llama3_dtcp" changes against torchtitan's "llama3" (everything else is the stock train
 spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
@@ -74,6 +75,7 @@ import dtcp  # noqa: E402
 from .._groups import group_size  # noqa: E402
 from ..kernels import KERNELS  # noqa: E402
 from ..layouts import Layout, layout_from_spec  # noqa: E402
+from ..schedule import KV_EXCHANGES  # noqa: E402
 
 __all__ = [
     "Dtcp",
@@ -103,6 +105,12 @@ class Dtcp:
     """Sliding window: each token attends to itself and at most this many tokens before it.
     -1 means no window (plain causal attention)."""
 
+    kv_exchange: str = "auto"
+    """How K/V reach the other cp ranks: "ring" (overlapped ring, for long sequences),
+    "allgather" (one all-gather per attention call, for short ones, where a ring call is bound
+    by host time; contiguous and zigzag layouts) or "auto" (allgather on GPUs when the whole
+    sequence's K/V is at most 32 MiB, else ring)."""
+
 
 @dataclass
 class JobConfig:
@@ -118,6 +126,7 @@ class DtcpOptions:
     layout: Layout
     backend: str
     window_size: Optional[tuple[int, int]]  # (left, right) for dtcp.ring_attention, None: no window
+    kv_exchange: str = "auto"
 
 
 def dtcp_options(job_config) -> DtcpOptions:
@@ -133,7 +142,11 @@ def dtcp_options(job_config) -> DtcpOptions:
     window = section.window_size
     if not isinstance(window, int) or isinstance(window, bool) or window < -1:
         raise ValueError(f"[dtcp] window_size = {window!r}: use -1 (no window) or a number of tokens >= 0")
-    return DtcpOptions(layout=layout, backend=section.backend, window_size=(window, 0) if window >= 0 else None)
+    kv_exchange = getattr(section, "kv_exchange", "auto")
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"[dtcp] kv_exchange = {kv_exchange!r}: use one of {list(KV_EXCHANGES)}")
+    return DtcpOptions(layout=layout, backend=section.backend, window_size=(window, 0) if window >= 0 else None,
+                       kv_exchange=kv_exchange)
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -160,6 +173,7 @@ class DtcpRingAttention(nn.Module):
         self.layout = options.layout
         self.backend = options.backend
         self.window_size = options.window_size
+        self.kv_exchange = options.kv_exchange
         self.document_masking = document_masking
         self.cp_size = group_size(group)
 
@@ -174,7 +188,8 @@ class DtcpRingAttention(nn.Module):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
-        kwargs = dict(layout=self.layout, is_causal=is_causal, scale=scale, backend=self.backend)
+        kwargs = dict(layout=self.layout, is_causal=is_causal, scale=scale, backend=self.backend,
+                      kv_exchange=self.kv_exchange)
         if self.window_size is not None:
             kwargs["window_size"] = self.window_size
         if not self.document_masking:
@@ -209,7 +224,7 @@ class DtcpRingAttention(nn.Module):
         mask = "document" if self.document_masking else "causal"
         return (
             f"layout={self.layout.spec()}, backend={self.backend}, window_size={self.window_size}, "
-            f"mask={mask}, cp={self.cp_size}"
+            f"kv_exchange={self.kv_exchange}, mask={mask}, cp={self.cp_size}"
         )
 
 
@@ -313,7 +328,7 @@ def _dtcp_parallelize(base_parallelize):
         _own_cp_mesh(cp_mesh, options.layout)
         logger.info(
             f"dtcp: context parallelism over cp={cp_mesh.size()} with layout {options.layout.spec()}, "
-            f"backend {options.backend}, window {options.window_size}"
+            f"backend {options.backend}, window {options.window_size}, kv_exchange {options.kv_exchange}"
         )
         with _compat.replaced_global(base_parallelize, "apply_cp_to_attention_module", _skip_torchtitan_cp):
             return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)

@@ -10,6 +10,10 @@ from the baseline over the steps both logged; then the median tokens/s per devic
 and later (steps 1-2 include compilation and warm-up). Exits 1 if a run differs from the
 baseline by more than --tol at any step, logged fewer steps than the baseline, or if a
 --faster-than pair A=B finds A's median tokens/s below B's.
+
+Repeated runs are named NAME_r1, NAME_r2, ...: --faster-than A=B then pools the steps of every
+repeat of A (and of B), prints the ratio of each repeat pair (A_ri against B_ri, run back to
+back) and judges the pooled medians.
 """
 
 from __future__ import annotations
@@ -81,10 +85,31 @@ def main() -> int:
         print(f"  {n:<{width}} {tps[n]:>12,.0f}")
     for pair in args.faster_than:
         a, _, b = pair.partition("=")
-        verdict = "ok" if tps[a] >= tps[b] else "FAIL"
+        runs_a, runs_b = repeats_of(a, names), repeats_of(b, names)
+        if not runs_a or not runs_b:
+            print(f"  {pair}: FAIL, no run named {a if not runs_a else b}")
+            ok = False
+            continue
+        if len(runs_a) > 1 or len(runs_b) > 1:
+            for ra, rb in zip(runs_a, runs_b):
+                print(f"  {ra} / {rb} = {tps[ra] / tps[rb]:.3f}")
+        pooled_a, pooled_b = pooled_tps(logs, runs_a), pooled_tps(logs, runs_b)
+        verdict = "ok" if pooled_a >= pooled_b else "FAIL"
         ok &= verdict == "ok"
-        print(f"  {a} / {b} = {tps[a] / tps[b]:.3f}  {verdict}")
+        what = f" (steps >= 3 of {len(runs_a)} and {len(runs_b)} runs pooled: {pooled_a:,.0f} and {pooled_b:,.0f})" \
+            if len(runs_a) > 1 or len(runs_b) > 1 else ""
+        print(f"  {a} / {b} = {pooled_a / pooled_b:.3f}{what}  {verdict}")
     return 0 if ok else 1
+
+
+def repeats_of(name: str, names: list[str]) -> list[str]:
+    """The runs NAME or NAME_r<i>, in order."""
+    return [n for n in names if n == name or re.fullmatch(re.escape(name) + r"_r\d+", n)]
+
+
+def pooled_tps(logs, runs: list[str]) -> float:
+    vals = [t for n in runs for s, (_, t) in logs[n].items() if s >= 3]
+    return statistics.median(vals) if vals else float("nan")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@
 #   bash examples/torchtitan/run_gpu_comparison.sh eager      # seed + cp1, dtcp_cp2, titan_cp2
 #   bash examples/torchtitan/run_gpu_comparison.sh compile    # seed + the same with --compile.enable
 #   bash examples/torchtitan/run_gpu_comparison.sh docmask    # seed + document-masked cp1_doc, dtcp_cp2_doc
+#   REPEATS=4 bash examples/torchtitan/run_gpu_comparison.sh eager   # 4 pairs of dtcp and torchtitan
+#       CP=2 runs in ABBA order (dtcp_cp2_r1, titan_cp2_r1, titan_cp2_r2, dtcp_cp2_r2, ...): tokens/s
+#       on these machines drifts by 10-30% within a call and from run to run, so one pair of runs
+#       does not settle which is faster; ABBA cancels a steady drift
 #
 # Run from the repository root with the wheels of download_wheels.sh in .whl/ (and .whl-arrow/
 # where the machine lacks pyarrow/pandas). Every run starts from one seed checkpoint made on one
@@ -47,21 +51,34 @@ LOAD=(--checkpoint.enable --checkpoint.load_only --checkpoint.initial_load_path 
 CP1=(--parallelism.context_parallel_degree 1)
 TITAN=(--model.name llama3)   # torchtitan's own CP (PyTorch experimental context_parallel, head-tail balancer)
 
+REPEATS=${REPEATS:-1}
+pairs() {  # pairs SUFFIX [torchtitan args...]: dtcp and torchtitan CP=2, REPEATS pairs, ABBA order
+  local suffix=$1; shift
+  ARGS=()
+  for i in $(seq 1 "$REPEATS"); do
+    local tag=""; [ "$REPEATS" -gt 1 ] && tag="_r$i"
+    if [ $((i % 2)) -eq 1 ]; then
+      run "dtcp_cp2$suffix$tag" 2 "$@" "${LOAD[@]}"
+      run "titan_cp2$suffix$tag" 2 "${TITAN[@]}" "$@" "${LOAD[@]}"
+    else
+      run "titan_cp2$suffix$tag" 2 "${TITAN[@]}" "$@" "${LOAD[@]}"
+      run "dtcp_cp2$suffix$tag" 2 "$@" "${LOAD[@]}"
+    fi
+    ARGS+=("dtcp_cp2$suffix$tag=$LOGS/dtcp_cp2$suffix$tag.log" "titan_cp2$suffix$tag=$LOGS/titan_cp2$suffix$tag.log")
+  done
+}
+
 case $what in
   eager)
     run cp1 1 "${CP1[@]}" "${LOAD[@]}"
-    run dtcp_cp2 2 "${LOAD[@]}"
-    run titan_cp2 2 "${TITAN[@]}" "${LOAD[@]}"
-    python examples/torchtitan/compare_losses.py cp1="$LOGS/cp1.log" dtcp_cp2="$LOGS/dtcp_cp2.log" \
-      titan_cp2="$LOGS/titan_cp2.log" --faster-than dtcp_cp2=titan_cp2
+    pairs ""
+    python examples/torchtitan/compare_losses.py cp1="$LOGS/cp1.log" "${ARGS[@]}" --faster-than dtcp_cp2=titan_cp2
     ;;
   compile)
     C=(--compile.enable)
     run cp1_compile 1 "${CP1[@]}" "${C[@]}" "${LOAD[@]}"
-    run dtcp_cp2_compile 2 "${C[@]}" "${LOAD[@]}"
-    run titan_cp2_compile 2 "${TITAN[@]}" "${C[@]}" "${LOAD[@]}"
-    python examples/torchtitan/compare_losses.py cp1_compile="$LOGS/cp1_compile.log" \
-      dtcp_cp2_compile="$LOGS/dtcp_cp2_compile.log" titan_cp2_compile="$LOGS/titan_cp2_compile.log" \
+    pairs _compile "${C[@]}"
+    python examples/torchtitan/compare_losses.py cp1_compile="$LOGS/cp1_compile.log" "${ARGS[@]}" \
       --faster-than dtcp_cp2_compile=titan_cp2_compile
     ;;
   docmask)

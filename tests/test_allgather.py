@@ -1,0 +1,230 @@
+"""The all-gather schedule (kv_exchange="allgather"): its plans against brute-force masks (pure
+Python), the auto rule, and its results against single-process attention on spawned gloo ranks
+(float64 to 1e-10; bfloat16 within 1.5x the kernel's own error), eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from dtcp.comm import STATS
+from dtcp.schedule import (
+    ALLGATHER_AUTO_MAX_BYTES,
+    AttnMask,
+    allgather_plans,
+    allgather_reason,
+    choose_kv_exchange,
+)
+from reference import rel_err
+from test_compile import compiled_vs_eager
+from test_ring import ring_errors
+from test_window_varlen import assert_exact, masked_errors
+
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+# ---- the plan (no process group) -----------------------------------------------------------------
+
+def check_allgather_plans(layout, world_size, seq_len, mask):
+    """Every (local query, global key) pair the mask allows is computed exactly once, nothing
+    else is, query ranges are disjoint and sorted, and tasks are trimmed."""
+    local_len = seq_len // world_size
+    plans = allgather_plans(layout, local_len, world_size, False, mask)
+    # the gathered pieces, put in global order, are the sequence in order
+    p0 = plans[0]
+    pieces = [layout.runs(seq_len, world_size, p // p0.runs_per_rank)[p % p0.runs_per_rank]
+              for p in p0.global_order]
+    assert [a for a, _ in pieces] == list(range(0, seq_len, p0.piece_len))
+    assert all(b - a == p0.piece_len for a, b in pieces)
+    for rank, plan in enumerate(plans):
+        assert plan.global_order == p0.global_order
+        q_pos = layout.global_positions(seq_len, world_size, rank).tolist()
+        count = torch.zeros(local_len, seq_len, dtype=torch.int64)
+        end = 0
+        for t in plan.tasks:
+            assert t.q_start >= end, plan.tasks  # disjoint, sorted query ranges: no merge needed
+            end = t.q_end
+            rows = [any(t.visible(i, j) for j in range(t.k_len)) for i in range(t.q_len)]
+            cols = [any(t.visible(i, j) for i in range(t.q_len)) for j in range(t.k_len)]
+            assert all(rows) and all(cols), t
+            for i in range(t.q_len):
+                for j in range(t.k_len):
+                    if t.visible(i, j):
+                        count[t.q_start + i, t.k_start + j] += 1
+        truth = torch.tensor([[mask.visible(qi, kj) for kj in range(seq_len)] for qi in q_pos], dtype=torch.int64)
+        assert torch.equal(count, truth), (layout, world_size, rank, mask)
+        assert plan.rows_tiled == bool(truth.any(1).all())  # disjoint tasks: tiled iff every row is seen
+
+
+LAYOUTS = [dtcp.Contiguous(), dtcp.Zigzag()]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.spec())
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("mask", [
+    AttnMask.make(True), AttnMask.make(False), AttnMask.make(True, (3, 0)), AttnMask.make(False, (2, 5)),
+], ids=["causal", "full", "window_3_0", "window_2_5"])
+def test_allgather_plan_covers_exactly_the_visible_pairs(layout, world_size, mask):
+    check_allgather_plans(layout, world_size, layout.multiple(world_size) * 2, mask)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.spec())
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("mask", [
+    AttnMask.make(True, (-1, -1), ((0, 3), (3, 10), (12, 16))), AttnMask.make(False, (1, 1), ((2, 9),)),
+], ids=["docs_causal", "doc_window_padding"])
+def test_allgather_plan_with_documents(layout, world_size, mask):
+    check_allgather_plans(layout, world_size, 16, mask)
+
+
+def test_allgather_plan_of_causal_zigzag_is_two_calls_per_rank():
+    """Zigzag, causal, 4 ranks of 8 tokens (chunks of 4): rank r's low chunk r sees chunks 0..r,
+    its high chunk 7-r sees chunks 0..7-r; each is one bottom-right causal call."""
+    plans = allgather_plans(dtcp.Zigzag(), 8, 4, True)
+    assert plans[0].global_order == (0, 2, 4, 6, 7, 5, 3, 1)
+    for r, plan in enumerate(plans):
+        low, high = plan.tasks
+        assert (low.q_start, low.q_end, low.k_start, low.k_end, low.lo, low.hi) == (0, 4, 0, 4 * (r + 1), None, 4 * r)
+        assert (high.q_start, high.q_end, high.k_start, high.k_end) == (4, 8, 0, 4 * (8 - r))
+        assert (high.lo, high.hi) == (None, 4 * (7 - r))
+        assert plan.rows_tiled
+
+
+def test_allgather_refuses_layouts_with_many_runs():
+    assert allgather_reason(dtcp.Zigzag(), 8, 4) is None and allgather_reason(dtcp.Contiguous(), 5, 3) is None
+    why = allgather_reason(dtcp.Striped(1), 8, 4)
+    assert why is not None and "8 separate runs" in why
+    assert "unequal lengths" in allgather_reason(dtcp.DocZigzag((5, 11)), 8, 2)
+    with pytest.raises(ValueError, match="Use kv_exchange='ring'"):
+        allgather_plans(dtcp.Striped(2), 8, 2, True)
+
+
+def test_auto_rule():
+    z, c, s1 = dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1)
+    small, big = ALLGATHER_AUTO_MAX_BYTES, ALLGATHER_AUTO_MAX_BYTES + 1
+    assert choose_kv_exchange("auto", z, 1024, 2, "cuda", small) == "allgather"
+    assert choose_kv_exchange("auto", c, 1024, 4, "cuda", small) == "allgather"
+    assert choose_kv_exchange("auto", z, 1024, 2, "cuda", big) == "ring"       # large: overlap wins
+    assert choose_kv_exchange("auto", s1, 1024, 2, "cuda", small) == "ring"    # one call per stripe
+    assert choose_kv_exchange("auto", z, 1024, 2, "cpu", small) == "ring"      # CPU: the ring
+    assert choose_kv_exchange("auto", z, 1024, 1, "cuda", small) == "ring"     # nothing to gather
+    assert choose_kv_exchange("allgather", z, 1024, 2, "cpu", big) == "allgather"
+    assert choose_kv_exchange("ring", z, 1024, 2, "cuda", small) == "ring"
+    with pytest.raises(ValueError, match="kv_exchange must be one of"):
+        choose_kv_exchange("p2p", z, 1024, 2, "cuda", small)
+
+
+# ---- against single-process attention, float64 ----------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (3, 1)], ids=["mha", "gqa8-2", "mqa3-1"])
+def test_allgather_exact_float64(world_size, layout, is_causal, heads):
+    hq, hkv = heads
+    d = 5 if hq == 3 else 16
+    results = run_ranks(world_size, ring_errors, layout, is_causal, 2, hq, hkv, 8 * world_size, d, "float64",
+                        "math", 0, "allgather")
+    for key in KEYS:
+        assert max(r[key] for r in results) < 1e-10, (key, [r[key] for r in results])
+
+
+def test_allgather_exact_world8():
+    results = run_ranks(8, ring_errors, "zigzag", True, 2, 8, 2, 32, 8, "float64", "auto", 0, "allgather")
+    for key in KEYS:
+        assert max(r[key] for r in results) < 1e-10, (key, [r[key] for r in results])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_allgather_low_precision_within_kernel_error(world_size):
+    """bfloat16: each query row is one kernel call over all of its keys, so the error against
+    float64 stays within 1.5x the same kernel's own error over the whole sequence, at any N."""
+    results = run_ranks(world_size, ring_errors, "zigzag", True, 1, 8, 2, 128, 32, "bfloat16", "math", 0,
+                        "allgather")
+    for key in KEYS:
+        ratios = [r[key] / r["kernel"][key] for r in results]
+        assert max(ratios) <= 1.5, (key, ratios)
+
+
+@pytest.mark.parametrize("window,is_causal", [((0, 0), True), ((2, 0), True), ((6, 0), True), ((40, 0), True),
+                                              ((1, 2), False), ((5, 6), False), ((-1, 3), False)], ids=str)
+def test_allgather_windows_contiguous(window, is_causal):
+    assert_exact(run_ranks(4, masked_errors, "contiguous", 16, is_causal, window, kv_exchange="allgather"), window)
+
+
+@pytest.mark.parametrize("cu", [[0, 2, 5, 7, 16], [0, 11, 16], [0, 1, 2, 3, 9, 10, 16]], ids=str)
+@pytest.mark.parametrize("layout,window,is_causal", [
+    ("contiguous", (-1, -1), True), ("contiguous", (1, 2), False), ("zigzag", (6, 0), True), ("zigzag", None, False),
+], ids=str)
+def test_allgather_documents(cu, layout, window, is_causal):
+    assert_exact(run_ranks(4, masked_errors, layout, 16, is_causal, window, cu, kv_exchange="allgather"),
+                 (cu, layout, window))
+
+
+# ---- what travels --------------------------------------------------------------------------------
+
+def allgather_traffic(kv_exchange, fast_path=True):
+    from dtcp import ops
+
+    n = dist.get_world_size()
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    ops.EAGER_FAST_PATH = fast_path
+    try:
+        STATS.reset()
+        out = dtcp.ring_attention(q, k, v, is_causal=True, enable_gqa=True, kv_exchange=kv_exchange)
+        fwd = (STATS.kv_rounds, STATS.kv_bytes_sent)
+        out.sum().backward()
+    finally:
+        ops.EAGER_FAST_PATH = True
+    kv_bytes = 2 * k.numel() * k.element_size()
+    return {"fwd": fwd, "total": (STATS.kv_rounds, STATS.kv_bytes_sent, STATS.grad_rounds, STATS.grad_bytes_sent),
+            "kv_bytes": kv_bytes, "n": n}
+
+
+def test_allgather_sends_kv_once_per_pass_with_kv_heads():
+    """Forward: one all-gather of this rank's K/V (GQA: 2 K/V heads, not 4). Backward: one float64
+    reduce-scatter of dK/dV, and no second all-gather on the eager path (it keeps the gathered
+    K/V); the custom op (compiled code) gathers again. On CPU `auto` stays on the ring."""
+    for r in run_ranks(4, allgather_traffic, "allgather"):
+        kvb, n = r["kv_bytes"], r["n"]
+        assert r["fwd"] == (1, (n - 1) * kvb)
+        assert r["total"] == (1, (n - 1) * kvb, 1, (n - 1) * kvb)
+    for r in run_ranks(4, allgather_traffic, "allgather", False):
+        kvb, n = r["kv_bytes"], r["n"]
+        assert r["total"] == (2, 2 * (n - 1) * kvb, 1, (n - 1) * kvb)
+    for r in run_ranks(4, allgather_traffic, "auto"):
+        assert r["fwd"][0] == r["n"] - 1  # the ring's N - 1 rounds
+
+
+# ---- compiled -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_allgather_compile_aot_eager(layout):
+    for r in run_ranks(2, compiled_vs_eager, "aot_eager", layout, kv_exchange="allgather", timeout=300):
+        assert r["graph_breaks"] == 0 and r["frames"] == 1, r
+        assert r["max_err"] < 1e-12, r
+
+
+def ring_vs_allgather():
+    """Both exchanges give the same answer (float64, to rounding)."""
+    torch.manual_seed(dist.get_rank())
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    res = {}
+    for x in ("ring", "allgather"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = dtcp.ring_attention(*leaves, is_causal=True, enable_gqa=True, return_lse=True, kv_exchange=x,
+                                       window_size=(7, 0), layout="contiguous")
+        out.backward(torch.cos(out.detach()))
+        res[x] = [out, lse] + [t.grad for t in leaves]
+    return max(rel_err(a, b) for a, b in zip(res["ring"], res["allgather"]))
+
+
+def test_ring_and_allgather_agree():
+    assert max(run_ranks(3, ring_vs_allgather)) < 1e-12
