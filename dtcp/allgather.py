@@ -8,7 +8,7 @@ kernel: no merge.
 Backward: each task's kernel backward gives that run's dQ whole and its share of dK/dV over the
 global keys, summed in float32; one reduce-scatter returns to each rank the sum over ranks for
 its own K/V. The gathered K/V come from the forward when the caller kept them (the eager path
-does: N times this rank's K/V per attention call, which `auto` bounds at 32 MiB) and are gathered
+does: N times this rank's K/V per attention call, which `auto` bounds at 16 MiB) and are gathered
 again otherwise (the custom op, whose outputs are only out and lse).
 
 Buffers, with L local tokens, S = N * L and rank-major order = rank 0's tokens, then rank 1's:

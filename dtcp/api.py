@@ -64,7 +64,7 @@ def ring_attention(
             run of local queries, one reduce-scatter of dK/dV in the backward; no overlap, but a
             handful of operations per call, for short sequences where a ring call is bound by
             host time (contiguous and zigzag layouts). "auto" (default): "allgather" on CUDA when
-            the whole sequence's K/V is at most 32 MiB and the layout allows, else "ring".
+            the whole sequence's K/V is at most 16 MiB and the layout allows, else "ring".
             Both give the same result.
 
     Returns:

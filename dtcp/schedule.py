@@ -388,8 +388,10 @@ def allgather_plans(
 
 KV_EXCHANGES = ("auto", "ring", "allgather")
 # `auto` gathers when the whole sequence's K/V is at most this many bytes (per rank, after the
-# gather): there a ring call is bound by host time (see docs/performance.md, "all-gather").
-ALLGATHER_AUTO_MAX_BYTES = 32 * 2**20
+# gather): there a ring call is bound by host time. Measured on 2 H200s (docs/performance.md,
+# "The all-gather schedule"): the all-gather was ahead of the ring at 16 MiB, even or behind at
+# 32 MiB and behind at 64 MiB.
+ALLGATHER_AUTO_MAX_BYTES = 16 * 2**20
 
 
 def choose_kv_exchange(
@@ -397,7 +399,7 @@ def choose_kv_exchange(
 ) -> str:
     """"ring" or "allgather" for a call. `auto` picks the all-gather on CUDA for one-or-two-run
     layouts (contiguous, zigzag) when the gathered K/V is small (ALLGATHER_AUTO_MAX_BYTES), and
-    the ring otherwise (and always on CPU, where host time is not what bounds a call)."""
+    the ring otherwise (and always on CPU, where it was not measured to be faster)."""
     if requested not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {requested!r}")
     if requested != "auto":

@@ -109,7 +109,7 @@ class Dtcp:
     """How K/V reach the other cp ranks: "ring" (overlapped ring, for long sequences),
     "allgather" (one all-gather per attention call, for short ones, where a ring call is bound
     by host time; contiguous and zigzag layouts) or "auto" (allgather on GPUs when the whole
-    sequence's K/V is at most 32 MiB, else ring)."""
+    sequence's K/V is at most 16 MiB, else ring)."""
 
 
 @dataclass
