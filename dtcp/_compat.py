@@ -50,6 +50,25 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, pg: "dist.Pro
     _REDUCE_SCATTER(output, input, group=pg)
 
 
+def all_gather_autograd(x: torch.Tensor, pg: "dist.ProcessGroup") -> torch.Tensor:
+    """Differentiable, traceable all-gather along dim 0 (backward: a reduce-scatter).
+    torch.distributed._functional_collectives.all_gather_tensor_autograd(self, gather_dim, group):
+    checked on torch 2.13.0+cpu (gloo, eager and compiled); present with this signature in 2.11."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_tensor_autograd(x, 0, pg)
+
+
+def flash_attention_differentiable(q, k, v, is_causal: bool, scale: float):
+    """(out, lse) of aten._scaled_dot_product_flash_attention (autograd registered in
+    derivatives.yaml; lse not differentiable). Called directly it skips SDPA's dispatcher checks,
+    and `is_causal` with fewer queries than keys is FlashAttention-2's bottom-right causal mask
+    (the dispatcher refuses that case; the kernel does it). Output fields [0], [1] (output,
+    logsumexp (B, H, L) float32): checked in the schema of torch 2.11+cu130 and 2.13."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return res[0], res[1]
+
+
 def enable_symm_mem(group_name: str) -> None:
     # torch.distributed._symmetric_memory: enable_symm_mem_for_group must precede rendezvous on
     # torch 2.11 (checked on 2.11+cu130); later releases deprecate it as a no-op. The module

@@ -8,9 +8,9 @@ from typing import Optional, Union
 import torch
 
 from . import ops
-from ._groups import GroupLike, group_name, group_size, resolve_group
+from ._groups import GroupLike, group_name, group_rank, group_size, resolve_group
 from .kernels import default_scale
-from .schedule import KV_EXCHANGES, allgather_reason
+from .schedule import KV_EXCHANGES
 from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
 from .window import current_window
 
@@ -85,13 +85,9 @@ def ring_attention(
         )
     if kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {kv_exchange!r}")
-    if kv_exchange == "allgather":
-        why = allgather_reason(layout, q.shape[2], group_size(pg))
-        if why is not None:
-            raise ValueError(f"kv_exchange='allgather': {why}. Use kv_exchange='ring' (or 'auto')")
     out, lse = ops.ring_attention_eager_or_op(
         q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens,
-        kv_exchange,
+        kv_exchange, rank=group_rank(pg), world_size=group_size(pg),
     )
     return (out, lse.detach()) if return_lse else out
 

@@ -16,6 +16,7 @@ import torch
 
 from . import _compat
 from .allgather import allgather_backward, allgather_forward
+from .allgather_traced import allgather_attention_traced, traced_reason
 from .kernels import Kernel, acc_dtype, select_kernel
 from .layouts import DocZigzag, layout_from_spec
 from .ring import ring_backward, ring_forward
@@ -195,6 +196,44 @@ def _backward(ctx, dout, dlse):
 ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- the compiled route --------------------------------------------------------------------------
+# Under torch.compile, calls go through `dtcp::ring_attention`, a CompositeImplicitAutograd op:
+# tracing decomposes it, so what it returns decides what the graph holds. Where the all-gather
+# schedule applies in traceable form (allgather_traced.traced_reason), the graph gets its
+# functional collectives and attention ops, compiled like the rest of the model; everywhere else
+# it gets the custom op above, as before. TRACED_ALLGATHER = False keeps every call on the custom op.
+TRACED_ALLGATHER = True
+
+_LIB = torch.library.Library("dtcp", "FRAGMENT")
+# `rank`, `world_size` and `traced` are arguments although the op could look them up: what the
+# decomposition emits depends on them (this rank's kernel calls are constants of its graph), and
+# torch.compile's caches key on the graph *before* decomposition. With them in the call, each
+# rank, group size and setting has its own cache entry (without them, ranks shared one: wrong
+# results from a warm cache, seen on CPU).
+_LIB.define(
+    "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
+    "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, int rank, "
+    "int world_size, bool traced) -> (Tensor, Tensor)"
+)
+
+
+def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
+                              cu_seqlens, kv_exchange, rank, world_size, traced):
+    if traced and cu_seqlens is None:
+        pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), None,
+                                   kv_exchange)
+        if (plan.rank, plan.world_size) != (rank, world_size):
+            raise RuntimeError(f"dtcp::ring_attention traced for rank {rank} of {world_size} runs on rank "
+                               f"{plan.rank} of {plan.world_size}")
+        if isinstance(plan, AllGatherPlan) and traced_reason(plan, kernel, q) is None:
+            return allgather_attention_traced(q, k, v, pg, plan, kernel, scale)
+    return ring_attention_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
+                                  cu_seqlens, kv_exchange)
+
+
+_LIB.impl("ring_attention", _ring_attention_composite, "CompositeImplicitAutograd")
+
+
 # ---- eager fast path ---------------------------------------------------------------------------
 # A custom op call costs about 0.4 ms of host time per attention layer (forward + backward,
 # measured on the H200 hosts at torchtitan's debug-model shapes, where the whole ring step is
@@ -224,9 +263,13 @@ class _RingAttentionEager(torch.autograd.Function):
         return _run_backward(dout, q, k, v, out, lse, *ctx.args, kept=kept) + (None,) * len(ctx.args)
 
 
-def ring_attention_eager_or_op(q, k, v, *args):
-    """ring_attention_forward's (out, lse), through the eager fast path where it applies. `args`
-    are all of the op's arguments after q, k, v (group_name .. kv_exchange)."""
+def ring_attention_eager_or_op(q, k, v, *args, rank: int = 0, world_size: int = 1):
+    """ring_attention_forward's (out, lse): under torch.compile through the compiled route, in
+    plain eager calls through the eager fast path, else (fake tensors, modes, subclasses, vmap)
+    through the custom op. `args` are all of the op's arguments after q, k, v (group_name ..
+    kv_exchange); rank and world_size are this process's in the group (the compiled route's)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.dtcp.ring_attention(q, k, v, *args, rank, world_size, TRACED_ALLGATHER)
     if EAGER_FAST_PATH and _compat.plain_eager_call(q, k, v, args[7]):
         return _RingAttentionEager.apply(q, k, v, *args)
     return ring_attention_forward(q, k, v, *args)

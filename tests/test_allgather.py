@@ -228,3 +228,92 @@ def ring_vs_allgather():
 
 def test_ring_and_allgather_agree():
     assert max(run_ranks(3, ring_vs_allgather)) < 1e-12
+
+
+def compiled_graph_ops(kv_exchange, dtype_name="float64"):
+    """Compile TinyAttention with a backend that records the forward and backward graphs AOT
+    autograd hands to the compiler; return which communication and attention ops they call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from test_compile import TinyAttention
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention(layout="zigzag", kv_exchange=kv_exchange).to(getattr(torch, dtype_name))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    x = torch.randn(2, 8, 16, dtype=getattr(torch, dtype_name))
+    compiled(x).square().sum().backward()
+    text = "\n".join(graphs)
+    return {
+        "graphs": len(graphs),
+        "custom_op": "dtcp.ring_attention_forward" in text or "dtcp.ring_attention_backward" in text,
+        "all_gather": "all_gather_into_tensor" in text,
+        "reduce_scatter": "reduce_scatter_tensor" in text,
+    }
+
+
+def test_compiled_allgather_is_traced_into_the_graph():
+    """Compiled, the all-gather schedule becomes graph code (a functional all-gather forward, its
+    reduce-scatter backward), not the opaque custom op; the ring stays the custom op."""
+    for r in run_ranks(2, compiled_graph_ops, "allgather", timeout=300):
+        assert r == {"graphs": 2, "custom_op": False, "all_gather": True, "reduce_scatter": True}, r
+    for r in run_ranks(2, compiled_graph_ops, "ring", timeout=300):
+        assert r["custom_op"] and not r["all_gather"], r
+
+
+def test_allgather_compile_inductor():
+    """Twice: the second compile finds the first's artifacts in torch.compile's caches. The traced
+    graph differs between ranks while the graph the caches key on did not (until the op took the
+    rank as an argument), and a rank then ran another rank's graph: errors of order 1."""
+    for _ in range(2):
+        results = run_ranks(2, compiled_vs_eager, "inductor", "zigzag", dtype_name="float32",
+                            kv_exchange="allgather", timeout=600)
+        for r in results:
+            assert r["graph_breaks"] == 0 and r["frames"] == 1, r
+            assert r["max_err"] < 1e-5, r
+
+
+def compiled_allgather_window_and_documents():
+    """Windows and documents have no traced form: compiled, they take the custom op (through
+    the same routing op) and still equal eager, with no graph break."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(dist.get_rank())
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    n = dist.get_world_size()
+    cu = torch.tensor([0, 3, 8 * n], dtype=torch.int32)
+
+    def attn(q, k, v, cu):
+        a = dtcp.ring_attention(q, k, v, layout="contiguous", is_causal=True, enable_gqa=True, window_size=(5, 0),
+                                kv_exchange="allgather")
+        b = dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, enable_gqa=True, cu_seqlens=cu,
+                                kv_exchange="allgather")
+        return a + b
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attn, backend=counter, fullgraph=True)
+    errs = []
+    for fn in (attn, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu)
+        out.backward(torch.cos(out.detach()))
+        errs.append([out.detach()] + [t.grad for t in leaves])
+    return {"err": max(rel_err(a, b) for a, b in zip(*errs)), "frames": counter.frame_count,
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_compiled_allgather_with_window_and_documents():
+    for r in run_ranks(2, compiled_allgather_window_and_documents, timeout=300):
+        assert r["graph_breaks"] == 0 and r["frames"] == 1 and r["err"] < 1e-12, r
