@@ -386,7 +386,7 @@ def test_window_with_cp1_runs_through_dtcp():
         assert worst[1] < 1e-12, (worst, r["errs"])  # one process: same sums as the reference
 
 
-def worker_torchtitan_pieces(compile_backend, layout, documents=False):
+def worker_torchtitan_pieces(compile_backend, layout, documents=False, kv_exchange="auto"):
     """float32 through torchtitan's pieces: ParallelDims meshes, the llama3_dtcp train spec's
     parallelize_fn (dtcp attention, FSDP over the cp mesh, optionally torch.compile per block),
     Trainer.post_dataloading_process and the spec's loss function. `documents`: the varlen
@@ -402,7 +402,7 @@ def worker_torchtitan_pieces(compile_backend, layout, documents=False):
             "--model.name", "llama3_dtcp", "--parallelism.context_parallel_degree", "2",
             "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
             "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-            "--dtcp.layout", layout]
+            "--dtcp.layout", layout, "--dtcp.kv_exchange", kv_exchange]
     if compile_backend:
         args += ["--compile.enable", "--compile.backend", compile_backend]
     cfg = parse(*args)
@@ -452,13 +452,16 @@ def worker_torchtitan_pieces(compile_backend, layout, documents=False):
 
 
 # striped:2 differs from torchtitan's own (head-tail) sharding, so the batch must go through dtcp's.
-# The document-masked case: one ring call per batch row, inside compiled blocks too.
+# The document-masked case: one ring call per batch row, inside compiled blocks too. On CPU `auto`
+# is the ring; the all-gather schedule is asked for explicitly (eager: kept K/V; compiled: the
+# traced route of the all-gather, inside torchtitan's compiled blocks).
 @pytest.mark.parametrize(
-    "compile_backend, layout, documents",
-    [(None, "striped:2", False), ("aot_eager", "zigzag", False), ("aot_eager", "zigzag", True)],
+    "compile_backend, layout, documents, kv_exchange",
+    [(None, "striped:2", False, "auto"), ("aot_eager", "zigzag", False, "auto"), ("aot_eager", "zigzag", True, "auto"),
+     (None, "contiguous", False, "allgather"), ("aot_eager", "zigzag", False, "allgather")],
 )
-def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout, documents):
-    for r in run_ranks(2, worker_torchtitan_pieces, compile_backend, layout, documents, timeout=600):
+def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout, documents, kv_exchange):
+    for r in run_ranks(2, worker_torchtitan_pieces, compile_backend, layout, documents, kv_exchange, timeout=600):
         assert r["kinds"] == ["DtcpRingAttention"] and r["local_len"] == SEQ // 2, r
         worst = max(r["errs"].items(), key=lambda kv: kv[1])
         assert worst[1] < 2e-6, (worst, r["errs"])  # float32 (FSDP params and grads in float32)
