@@ -47,7 +47,8 @@ def traced_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optio
 
 
 def _math_attention(q, k, v, task: Task, scale: float):
-    """Differentiable reference attention with the task's band, computed in float32/float64."""
+    """Differentiable reference attention with the task's band, computed in float32/float64
+    (k, v may already be in that dtype); out in q.dtype."""
     acc = acc_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     s = torch.matmul(q.to(acc), _repeat_kv(k, groups).to(acc).transpose(-1, -2)) * scale
@@ -79,11 +80,13 @@ def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel,
     outs, lses = [], []
     for task in plan.tasks:
         qt = q[:, :, task.q_start:task.q_end]
-        kt = kv[0][:, :, task.k_start:task.k_end].to(q.dtype)
-        vt = kv[1][:, :, task.k_start:task.k_end].to(q.dtype)
+        kt = kv[0][:, :, task.k_start:task.k_end]
+        vt = kv[1][:, :, task.k_start:task.k_end]
         if kernel.name == "flash":
-            o, lse = _compat.flash_attention_differentiable(qt, kt, vt, not task.is_full, scale)
+            # the kernel takes the input dtype; its dK/dV shares come back in it, as in eager
+            o, lse = _compat.flash_attention_differentiable(qt, kt.to(q.dtype), vt.to(q.dtype), not task.is_full, scale)
         else:
+            # float32 K/V straight in: the shares stay float32 up to the sum, as MathKernel's do
             o, lse = _math_attention(qt, kt, vt, task, scale)
         outs.append(o)
         lses.append(lse)

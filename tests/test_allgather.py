@@ -317,3 +317,36 @@ def compiled_allgather_window_and_documents():
 def test_compiled_allgather_with_window_and_documents():
     for r in run_ranks(2, compiled_allgather_window_and_documents, timeout=300):
         assert r["graph_breaks"] == 0 and r["frames"] == 1 and r["err"] < 1e-12, r
+
+
+def compiled_low_precision_errors(world_size_unused=None):
+    """bfloat16 through the compiled (traced) all-gather: errors against float64 and the math
+    kernel's own errors over the whole sequence, on this rank's rows."""
+    from reference import reference_attention
+    from test_ring import kernel_errors, make_inputs
+
+    layout = dtcp.Zigzag()
+    q, k, v, dout = make_inputs(11, 1, 8, 2, 128, 32)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = reference_attention(*ref, is_causal=True)
+    out_ref.backward(dout)
+    shard = lambda t: layout.shard(t, dim=2)  # noqa: E731
+
+    def attn(q, k, v):
+        return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, backend="math",
+                                   return_lse=True, kv_exchange="allgather")
+
+    torch._dynamo.reset()
+    local = [shard(t).to(torch.bfloat16).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = torch.compile(attn, backend="aot_eager", fullgraph=True)(*local)
+    out.backward(shard(dout).to(torch.bfloat16))
+    errs = {"out": rel_err(out, shard(out_ref)), "lse": rel_err(lse, shard(lse_ref)),
+            "dq": rel_err(local[0].grad, shard(ref[0].grad)), "dk": rel_err(local[1].grad, shard(ref[1].grad)),
+            "dv": rel_err(local[2].grad, shard(ref[2].grad))}
+    own = kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, True, torch.bfloat16, "math", shard)
+    return {key: errs[key] / own[key] for key in KEYS}
+
+
+def test_compiled_allgather_low_precision_within_kernel_error():
+    for r in run_ranks(2, compiled_low_precision_errors, timeout=300):
+        assert max(r.values()) <= 1.5, r
