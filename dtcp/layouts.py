@@ -73,11 +73,11 @@ class Layout:
         pg = resolve_group(group)
         n, r = group_size(pg), group_rank(pg)
         dim = dim % x.dim()
-        idx = self.global_positions(x.shape[dim], n, r)
+        self.check(x.shape[dim], n)
         runs = self.runs(x.shape[dim], n, r)
         if len(runs) == 1:
             return x.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
-        return x.index_select(dim, idx.to(x.device))
+        return x.index_select(dim, _positions_on(self, x.shape[dim], n, r, x.device))
 
     def unshard(self, x_local: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
         """The full tensor in original token order (all-gather; gradients flow back to shards)."""
@@ -113,6 +113,22 @@ class Layout:
 def _positions_cached(layout: Layout, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
     runs = layout.runs(seq_len, world_size, rank)
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
+
+
+_DEVICE_POSITIONS: dict = {}
+
+
+def _positions_on(layout: Layout, seq_len: int, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
+    """_positions_cached on `device`, copied there once: a copy from pageable host memory to a GPU
+    waits for the GPU to finish its queued work, and `shard` runs on every training step (read
+    only: never hand it out to callers)."""
+    key = (layout, seq_len, world_size, rank, device)
+    idx = _DEVICE_POSITIONS.get(key)
+    if idx is None:
+        if len(_DEVICE_POSITIONS) >= 256:
+            _DEVICE_POSITIONS.clear()
+        idx = _DEVICE_POSITIONS[key] = _positions_cached(layout, seq_len, world_size, rank).to(device)
+    return idx
 
 
 @dataclass(frozen=True, repr=False)
