@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import _compat
-from .kernels import Kernel, _repeat_kv, acc_dtype
+from .kernels import Kernel, acc_dtype, band_mask_traceable
 from .schedule import AllGatherPlan, Task
 
 
@@ -44,25 +44,6 @@ def traced_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optio
     if kernel.name == "math":
         return None
     return f"no traceable form of the {kernel.name!r} kernel"
-
-
-def _math_attention(q, k, v, task: Task, scale: float):
-    """Differentiable reference attention with the task's band, computed in float32/float64
-    (k, v may already be in that dtype); out in q.dtype."""
-    acc = acc_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    s = torch.matmul(q.to(acc), _repeat_kv(k, groups).to(acc).transpose(-1, -2)) * scale
-    if not task.is_full:  # the band, built from traced ops (a cached mask would be a constant)
-        offset = torch.arange(k.shape[2], device=q.device)[None, :] - torch.arange(q.shape[2], device=q.device)[:, None]
-        hidden = torch.zeros_like(offset, dtype=torch.bool)
-        if task.lo is not None:
-            hidden = hidden | (offset < task.lo)
-        if task.hi is not None:
-            hidden = hidden | (offset > task.hi)
-        s = s.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v, groups).to(acc))
-    return out.to(q.dtype), lse.detach()
 
 
 def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float):
@@ -86,8 +67,9 @@ def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel,
             # the kernel takes the input dtype; its dK/dV shares come back in it, as in eager
             o, lse = _compat.flash_attention_differentiable(qt, kt.to(q.dtype), vt.to(q.dtype), not task.is_full, scale)
         else:
-            # float32 K/V straight in: the shares stay float32 up to the sum, as MathKernel's do
-            o, lse = _math_attention(qt, kt, vt, task, scale)
+            # float32 K/V straight in: the shares stay float32 up to the sum, as in eager
+            o, lse = kernel.forward(qt, kt, vt, task.lo, task.hi, scale, mask_fn=band_mask_traceable)
+            lse = lse.detach()
         outs.append(o)
         lses.append(lse)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -10,7 +10,7 @@ import torch
 from . import ops
 from ._groups import GroupLike, group_name, group_rank, group_size, resolve_group
 from .kernels import default_scale
-from .schedule import KV_EXCHANGES
+from .schedule import check_kv_exchange
 from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
 from .window import current_window
 
@@ -74,7 +74,8 @@ def ring_attention(
     layout = layout_from_spec(layout)
     _check_inputs(q, k, v, enable_gqa, scale)
     pg = resolve_group(group)
-    layout.check(q.shape[2] * group_size(pg), group_size(pg))
+    n = group_size(pg)
+    layout.check(q.shape[2] * n, n)
     if scale is None:
         scale = default_scale(q.shape[-1])
     left, right = resolve_window(window_size, layout, is_causal)
@@ -83,11 +84,10 @@ def ring_attention(
         raise ValueError(
             "cu_seqlens: a DocZigzag layout carries its documents (and their padding); pass cu_seqlens=None"
         )
-    if kv_exchange not in KV_EXCHANGES:
-        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {kv_exchange!r}")
+    check_kv_exchange(kv_exchange)
     out, lse = ops.ring_attention_eager_or_op(
         q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens,
-        kv_exchange, rank=group_rank(pg), world_size=group_size(pg),
+        kv_exchange, rank=group_rank(pg), world_size=n,
     )
     return (out, lse.detach()) if return_lse else out
 

@@ -71,6 +71,20 @@ def band_mask(lq, lk, lo, hi, device) -> Optional[torch.Tensor]:
     return _band_mask_cpu(lq, lk, lo, hi).to(device)
 
 
+def band_mask_traceable(lq, lk, lo, hi, device) -> Optional[torch.Tensor]:
+    """band_mask built from tensor ops on `device` each call, for code traced by torch.compile
+    (a cached tensor would enter the graph as a constant from outside the fake tensor mode)."""
+    if lo is None and hi is None:
+        return None
+    offset = torch.arange(lk, device=device)[None, :] - torch.arange(lq, device=device)[:, None]
+    keep = torch.ones_like(offset, dtype=torch.bool)
+    if lo is not None:
+        keep = keep & (offset >= lo)
+    if hi is not None:
+        keep = keep & (offset <= hi)
+    return keep
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     # SDPA's enable_gqa convention: query head h uses key/value head h // groups.
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -93,17 +107,19 @@ class MathKernel(Kernel):
             return f"math needs floating-point inputs; got {q.dtype}"
         return None
 
-    def _scores(self, q, k, lo, hi, scale):
+    def _scores(self, q, k, lo, hi, scale, mask_fn=band_mask):
         acc = acc_dtype(q.dtype)
         g = q.shape[1] // k.shape[1]
         s = torch.matmul(q.to(acc), _repeat_kv(k, g).to(acc).transpose(-1, -2)) * scale
-        mask = band_mask(q.shape[2], k.shape[2], lo, hi, q.device)
+        mask = mask_fn(q.shape[2], k.shape[2], lo, hi, q.device)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         return s, g
 
-    def forward(self, q, k, v, lo, hi, scale):
-        s, g = self._scores(q, k, lo, hi, scale)
+    def forward(self, q, k, v, lo, hi, scale, mask_fn=band_mask):
+        """mask_fn: band_mask, or band_mask_traceable where torch.compile traces the call
+        (differentiable then through autograd: lse is returned attached)."""
+        s, g = self._scores(q, k, lo, hi, scale, mask_fn)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.unsqueeze(-1))
         out = torch.matmul(p, _repeat_kv(v, g).to(s.dtype))
@@ -171,16 +187,22 @@ def flash_band_reason(tasks: Iterable[Task], name: str) -> Optional[str]:
     return None
 
 
-def flash2_reason(q: torch.Tensor, tasks: Iterable[Task], name: str) -> Optional[str]:
-    """Why a FlashAttention-2 kernel (PyTorch's bundled one or the flash-attn package's) cannot
-    serve these inputs and tasks, or None."""
+def cuda_half_reason(q: torch.Tensor, name: str, max_head_dim: int) -> Optional[str]:
+    """Why a CUDA fp16/bf16 kernel taking head dims that are multiples of 8 up to max_head_dim
+    cannot take q, or None."""
     if q.device.type != "cuda":
         return f"{name} needs CUDA tensors; got {q.device.type}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{name} takes float16/bfloat16; got {q.dtype}"
-    if q.shape[-1] > 256 or q.shape[-1] % 8:
-        return f"{name} needs head_dim <= 256 and a multiple of 8; got {q.shape[-1]}"
-    return flash_band_reason(tasks, name)
+    if q.shape[-1] > max_head_dim or q.shape[-1] % 8:
+        return f"{name} needs head_dim <= {max_head_dim} and a multiple of 8; got {q.shape[-1]}"
+    return None
+
+
+def flash2_reason(q: torch.Tensor, tasks: Iterable[Task], name: str) -> Optional[str]:
+    """Why a FlashAttention-2 kernel (PyTorch's bundled one or the flash-attn package's) cannot
+    serve these inputs and tasks, or None."""
+    return cuda_half_reason(q, name, 256) or flash_band_reason(tasks, name)
 
 
 class CudaFlashKernel(Kernel):
@@ -224,12 +246,9 @@ class CudnnKernel(Kernel):
     name = "cudnn"
 
     def reject_reason(self, q, k, tasks):
-        if q.device.type != "cuda":
-            return f"cudnn needs CUDA tensors; got {q.device.type}"
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"cudnn takes float16/bfloat16; got {q.dtype}"
-        if q.shape[-1] > 128 or q.shape[-1] % 8:
-            return f"cudnn needs head_dim <= 128 and a multiple of 8; got {q.shape[-1]}"
+        why = cuda_half_reason(q, "cudnn", 128)
+        if why is not None:
+            return why
         tasks = list(tasks)
         if any(t.q_len == 1 and t.k_len == 1 for t in tasks):
             # cuDNN 9.19 frontend: "s_q = s_kv = 1 is not supported" (a single-token document).

@@ -394,14 +394,18 @@ KV_EXCHANGES = ("auto", "ring", "allgather")
 ALLGATHER_AUTO_MAX_BYTES = 16 * 2**20
 
 
+def check_kv_exchange(value: str) -> None:
+    if value not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {value!r}")
+
+
 def choose_kv_exchange(
     requested: str, layout: Layout, local_len: int, world_size: int, device_type: str, gathered_kv_bytes: int
 ) -> str:
     """"ring" or "allgather" for a call. `auto` picks the all-gather on CUDA for one-or-two-run
     layouts (contiguous, zigzag) when the gathered K/V is small (ALLGATHER_AUTO_MAX_BYTES), and
     the ring otherwise (and always on CPU, where it was not measured to be faster)."""
-    if requested not in KV_EXCHANGES:
-        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}; got {requested!r}")
+    check_kv_exchange(requested)
     if requested != "auto":
         return requested
     if (device_type == "cuda" and world_size > 1 and gathered_kv_bytes <= ALLGATHER_AUTO_MAX_BYTES

@@ -350,3 +350,12 @@ def compiled_low_precision_errors(world_size_unused=None):
 def test_compiled_allgather_low_precision_within_kernel_error():
     for r in run_ranks(2, compiled_low_precision_errors, timeout=300):
         assert max(r.values()) <= 1.5, r
+
+
+def test_traceable_band_mask_equals_the_cached_one():
+    from dtcp.kernels import band_mask, band_mask_traceable
+
+    for lq, lk in ((4, 4), (3, 7), (7, 3)):
+        for lo, hi in ((None, None), (None, 0), (None, 4), (-2, 0), (0, 3), (-5, None), (1, 2)):
+            a, b = band_mask(lq, lk, lo, hi, "cpu"), band_mask_traceable(lq, lk, lo, hi, "cpu")
+            assert (a is None and b is None) or torch.equal(a, b), (lq, lk, lo, hi)
