@@ -97,6 +97,19 @@ def cuda_flash_ops():
     return torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default
 
 
+def flash_varlen_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The logsumexp of aten._flash_attention_forward on packed (varlen) inputs: (Hq, total_q)
+    float32 (FlashAttention-2 >= 2.6's unpadded layout; torch's meta function gives this shape
+    on 2.13 and torch.nn.attention.varlen relies on it). Older builds padded it to
+    (num_seqs, Hq, max_q); refuse that rather than misread it."""
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"dtcp: this torch's flash varlen kernel returned logsumexp of shape {tuple(lse.shape)}, not "
+            f"(heads, total_q) = {(q.shape[1], q.shape[0])}; use kv_exchange='ring' or backend='math'"
+        )
+    return lse
+
+
 def cudnn_ops():
     # aten._scaled_dot_product_cudnn_attention / _backward: logsumexp comes back (B, H, L, 1);
     #   causal is top-left aligned. Checked on torch 2.11+cu130, cuDNN 9.19 (H200).

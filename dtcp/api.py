@@ -57,7 +57,10 @@ def ring_attention(
             With the contiguous layout the ring runs only the rounds the window needs.
         cu_seqlens: (num_docs + 1,) int tensor of global document boundaries of the packed
             sequence (0 = c0 <= ... <= cn = S, the same on every rank): tokens attend only within
-            their document. Rows that see no key at all get out 0 and lse 0.
+            their document, the same documents in every batch row. For rows with their own
+            documents (B > 1): the boundaries over the batch flattened row-major, 0 ... B*S, with
+            a boundary at every row start b*S (torchtitan's and flash-attn's packed batches).
+            Rows that see no key at all get out 0 and lse 0.
         kv_exchange: how K/V reach the other ranks. "ring": blocks travel around the ring, each
             transfer overlapped with the previous block's kernels (dK/dV travel back the same way);
             the choice for long sequences. "allgather": one all-gather of K/V, one kernel call per
@@ -165,7 +168,8 @@ def _check_cu_seqlens(cu_seqlens) -> None:
         return
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(
-            f"cu_seqlens must be a 1-D int32 tensor of global document boundaries (0, ..., S); got "
+            f"cu_seqlens must be a 1-D int32 tensor of global document boundaries (0, ..., S, or 0, ..., B*S "
+            f"for rows with their own documents); got "
             f"{type(cu_seqlens).__name__}. Wrap it: torch.tensor(boundaries, dtype=torch.int32)"
         )
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):

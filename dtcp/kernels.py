@@ -10,12 +10,23 @@ Every kernel computes one schedule `Task` on local tensors (SDPA layout, B H L D
 backward, `out` and `lse` are the *merged* (global) values for these query rows, which makes the
 kernel's gradient exactly this block's share of the full gradient. K/V may have fewer heads than
 Q (GQA); dk/dv come back with the K/V head count.
+
+Kernels with `supports_varlen` also take many sequences in one call, packed as in flash-attn's
+varlen functions (sequence i: rows cu_q[i]:cu_q[i+1] of q, cu_k[i]:cu_k[i+1] of k/v), with one
+bottom-right aligned window (left, right) for all of them ((-1, 0) = causal, -1 = unbounded):
+
+    varlen_forward(q, k, v, seqs, window, scale)                   -> out (Tq, Hq, D), lse (Hq, Tq)
+    varlen_backward(dout, q, k, v, out, lse, seqs, window, scale)  -> dq (Tq, Hq, D), dk, dv (Tk, Hkv, D)
+
+PyTorch's flash kernel does this in one launch; the base class loops over the sequences with
+`forward`/`backward` (the reference the one-launch kernels are tested against).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Optional
 
@@ -32,8 +43,30 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True)
+class VarlenSeqs:
+    """The sequences of one varlen call: cumulative lengths on the host (cu_q, cu_k) and as int32
+    tensors on the device (cu_q_t, cu_k_t), and the longest query and key lengths."""
+
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    cu_q_t: torch.Tensor
+    cu_k_t: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def window_band(q_len: int, k_len: int, window: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
+    """Bottom-right aligned window (left, right) -> band (lo, hi) on a q_len x k_len block."""
+    left, right = window
+    shift = k_len - q_len
+    return (None if left < 0 else shift - left, None if right < 0 else shift + right)
+
+
 class Kernel:
     name = "kernel"
+    supports_varlen = False  # takes varlen_forward/varlen_backward
+    varlen_one_launch = False  # ... in one kernel launch (else a loop over the sequences)
 
     def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task]) -> Optional[str]:
         """None when this kernel can serve every task on these inputs, else why not."""
@@ -44,6 +77,36 @@ class Kernel:
 
     def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
         raise NotImplementedError
+
+    # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale):
+        outs, lses = [], []
+        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+            lo, hi = window_band(qb - qa, kb - ka, window)
+            o, l = self.forward(*(_block(t[a:b]) for t, a, b in ((q, qa, qb), (k, ka, kb), (v, ka, kb))), lo, hi, scale)
+            outs.append(_rows(o))
+            lses.append(l[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale):
+        dqs, dks, dvs = [], [], []
+        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+            lo, hi = window_band(qb - qa, kb - ka, window)
+            qs = [_block(t[qa:qb]) for t in (dout, q)]
+            dq, dk, dv = self.backward(qs[0], qs[1], _block(k[ka:kb]), _block(v[ka:kb]), _block(out[qa:qb]),
+                                       lse[None, :, qa:qb], lo, hi, scale)
+            dqs.append(_rows(dq))
+            dks.append(_rows(dk))
+            dvs.append(_rows(dv))
+        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+
+
+def _block(rows: torch.Tensor) -> torch.Tensor:
+    return rows.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
+
+
+def _rows(block: torch.Tensor) -> torch.Tensor:
+    return block[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D)
 
 
 def _reject_unless_top_left_causal_or_full(tasks: Iterable[Task], name: str) -> Optional[str]:
@@ -101,6 +164,7 @@ class MathKernel(Kernel):
     """Pure torch, any device and dtype, any band: the reference. Computes in float32/float64."""
 
     name = "math"
+    supports_varlen = True  # the base class's loop
 
     def reject_reason(self, q, k, tasks):
         if not q.is_floating_point():
@@ -144,6 +208,7 @@ class CpuFlashKernel(Kernel):
     """aten._scaled_dot_product_flash_attention_for_cpu and its backward (top-left causal)."""
 
     name = "cpu_flash"
+    supports_varlen = True  # the base class's loop
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
     def reject_reason(self, q, k, tasks):
@@ -210,9 +275,32 @@ class CudaFlashKernel(Kernel):
     head dim <= 256, GQA and sliding windows native (bottom-right aligned)."""
 
     name = "flash"
+    supports_varlen = True
+    varlen_one_launch = True  # aten._flash_attention_forward with cum_seq_q/k
 
     def reject_reason(self, q, k, tasks):
         return flash2_reason(q, tasks, "flash")
+
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale):
+        fwd, _ = _compat.cuda_flash_ops()
+        left, right = window
+        causal = left < 0 and right == 0
+        out, lse, *_ = fwd(
+            q, k, v, seqs.cu_q_t, seqs.cu_k_t, seqs.max_q, seqs.max_k, 0.0, causal, False, scale=scale,
+            window_size_left=None if causal else left, window_size_right=None if causal else right,
+        )
+        return out, _compat.flash_varlen_lse(lse, q)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale):
+        _, bwd = _compat.cuda_flash_ops()
+        left, right = window
+        causal = left < 0 and right == 0
+        no_rng = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
+        return bwd(
+            dout, q, k, v, out, lse.float().contiguous(), seqs.cu_q_t, seqs.cu_k_t, seqs.max_q, seqs.max_k, 0.0,
+            causal, no_rng, no_rng, scale=scale, window_size_left=None if causal else left,
+            window_size_right=None if causal else right,
+        )
 
     def forward(self, q, k, v, lo, hi, scale):
         fwd, _ = _compat.cuda_flash_ops()
@@ -286,11 +374,17 @@ KERNELS: dict[str, Kernel] = {
 AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "fa2", "flex", "math")}
 
 
-def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task]) -> Kernel:
-    """The kernel named by `backend`, or for "auto" the fastest that serves every task."""
+def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task],
+                  prefer_varlen: bool = False) -> Kernel:
+    """The kernel named by `backend`, or for "auto" the fastest that serves every task (with
+    prefer_varlen, kernels that run a varlen call in one launch first: many small tasks are one
+    launch there and one launch each elsewhere)."""
     if backend == "auto":
         reasons = []
-        for name in AUTO_ORDER.get(q.device.type, ("math",)):
+        order = AUTO_ORDER.get(q.device.type, ("math",))
+        if prefer_varlen:
+            order = sorted(order, key=lambda name: not KERNELS[name].varlen_one_launch)
+        for name in order:
             why = KERNELS[name].reject_reason(q, k, tasks)
             if why is None:
                 log.debug("dtcp: backend='auto' picked %r on %s %s", name, q.device.type, q.dtype)

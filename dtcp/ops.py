@@ -11,16 +11,21 @@ from __future__ import annotations
 from contextlib import nullcontext
 from functools import lru_cache
 from typing import Optional, Union
+import weakref
 
 import torch
 
 from . import _compat
 from .allgather import allgather_backward, allgather_forward
+from .allgather_varlen import allgather_varlen_backward, allgather_varlen_forward
 from .allgather_traced import allgather_attention_traced, traced_reason
-from .kernels import Kernel, acc_dtype, select_kernel
+from .kernels import acc_dtype, select_kernel
 from .layouts import DocZigzag, layout_from_spec
 from .ring import ring_backward, ring_forward
-from .schedule import AllGatherPlan, AttnMask, RingPlan, allgather_plans, choose_kv_exchange, ring_plans
+from .schedule import (
+    AllGatherPlan, AttnMask, RingPlan, VarlenPlan, allgather_plans, choose_kv_exchange, ring_plans, varlen_reason,
+    varlen_window,
+)
 
 
 @lru_cache(maxsize=512)
@@ -43,7 +48,33 @@ def _plans(
     return ring_plans(layout, local_len, world_size, is_causal, mask)
 
 
-def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int) -> tuple[tuple[int, int], ...]:
+def row_cu_seqlens(cu: tuple[int, ...], batch: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Each batch row's document boundaries (0, ..., S) from `cu_seqlens` values: boundaries of
+    the sequence, shared by every row (ending at S), or, for a batch of B > 1 rows with their
+    own documents, boundaries over the batch flattened row-major (ending at B*S, with a boundary
+    at every row start b*S: documents do not cross rows; torchtitan's and flash-attn's packed
+    batches). Checks the values."""
+    if batch > 1 and len(cu) >= 2 and cu[0] == 0 and cu[-1] == batch * seq_len:
+        for i in range(1, len(cu)):
+            if cu[i] < cu[i - 1]:
+                raise ValueError(f"cu_seqlens must not decrease; it does at index {i} ({cu[i - 1]} -> {cu[i]})")
+        rows = []
+        for b in range(batch):
+            lo, hi = b * seq_len, (b + 1) * seq_len
+            inside = [c - lo for c in cu if lo <= c <= hi]
+            if inside[0] != 0:
+                raise ValueError(
+                    f"cu_seqlens ends at B*S = {batch}x{seq_len}, so it gives each batch row its own documents over "
+                    f"the flattened batch; then every row start b*S must be a boundary, and {lo} (row {b}) is not: "
+                    "a document crosses rows. Split it at the row start"
+                )
+            rows.append(tuple(inside))
+        return tuple(rows)
+    segments_from_cu_seqlens(cu, seq_len, batch)  # checks; raises with the fix
+    return (cu,) * batch
+
+
+def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int, batch: int = 1) -> tuple[tuple[int, int], ...]:
     """Document ranges from cumulative lengths; checks them (empty documents are allowed: a
     repeated boundary, as in cu_seqlens padded to a fixed size)."""
     fix = "cu_seqlens must be the global document boundaries of the packed sequence: 0 = c0 <= c1 <= ... <= cn = S"
@@ -52,9 +83,10 @@ def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int) -> tuple[tuple[i
     if cu[0] != 0:
         raise ValueError(f"{fix}; it starts at {cu[0]}, not 0")
     if cu[-1] != seq_len:
+        per_row = f" (or B*S = {batch * seq_len}, each batch row with its own documents)" if batch > 1 else ""
         raise ValueError(
-            f"{fix}; it ends at {cu[-1]} but the sequence has S = {seq_len} tokens (S_local x world size). "
-            "Pass the boundaries of the whole packed sequence, not of this rank's shard"
+            f"{fix}{per_row}; it ends at {cu[-1]} but the sequence has S = {seq_len} tokens (S_local x world "
+            "size). Pass the boundaries of the whole packed sequence, not of this rank's shard"
         )
     for i in range(1, len(cu)):
         if cu[i] < cu[i - 1]:
@@ -62,44 +94,80 @@ def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int) -> tuple[tuple[i
     return tuple((a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a)
 
 
+# The values of the last few cu_seqlens tensors seen: a model passes one tensor to every layer,
+# forward and backward, and reading a CUDA tensor's values waits for the GPU.
+_CU_VALUES: list = []
+
+
 def _cu_tuple(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
-    return None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens.tolist())
+    if cu_seqlens is None:
+        return None
+    for ref, version, values in _CU_VALUES:
+        if ref() is cu_seqlens and cu_seqlens._version == version:
+            return values
+    values = tuple(int(c) for c in cu_seqlens.tolist())
+    _CU_VALUES.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, values))
+    del _CU_VALUES[4:]
+    return values
 
 
 def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
             window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[torch.Tensor] = None,
             kv_exchange: str = "auto") -> tuple:
     """(process group, this rank's plan, kernel). The plan is a RingPlan or an AllGatherPlan
-    (kv_exchange, resolved the same way on every rank: from shapes, layout and device only).
-    The kernel is chosen against every rank's tasks so that all ranks use the same one."""
+    (kv_exchange, resolved the same way on every rank: from shapes, layout and device only), a
+    VarlenPlan (the all-gather schedule under documents, as one varlen kernel call), or a tuple
+    of one plan per batch row (rows with their own documents that no varlen call serves). The
+    kernel is chosen against every rank's tasks so that all ranks use the same one."""
     pg = _compat.group_from_name(group_name)
     n, r = pg.size(), pg.rank()
-    exchange_key = (kv_exchange, layout, q.shape, k.shape, k.dtype, q.device.type, n)
-    exchange = _EXCHANGE_CHOICE.get(exchange_key)
-    if exchange is None:
-        gathered_kv_bytes = 2 * k.numel() * k.element_size() * n
-        exchange = _EXCHANGE_CHOICE[exchange_key] = choose_kv_exchange(
-            kv_exchange, layout_from_spec(layout), q.shape[2], n, q.device.type, gathered_kv_bytes)
-    plan_key = (layout, q.shape[2], n, is_causal, tuple(window), _cu_tuple(cu_seqlens), exchange)
-    plans = _plans(*plan_key)
-    # Kernels decide from the device, dtype and head dim and the tasks: cache the choice per
-    # plan so the hot path doesn't walk every rank's tasks on every call.
-    kernel_key = (plan_key, backend, q.device.type, q.dtype, q.shape[-1])
-    kernel = _KERNEL_CHOICE.get(kernel_key)
-    if kernel is None:
-        all_tasks = [task for plan in plans for task in _tasks_of(plan)]
-        kernel = _KERNEL_CHOICE[kernel_key] = select_kernel(backend, q, k, all_tasks)
-    return pg, plans[r], kernel
+    cu = _cu_tuple(cu_seqlens)
+    key = (layout, tuple(q.shape), tuple(k.shape), k.dtype, q.device.type, n, r, is_causal, tuple(window), cu,
+           kv_exchange, backend)
+    route = _ROUTES.get(key)
+    if route is None:
+        if len(_ROUTES) >= 256:
+            _ROUTES.clear()
+        route = _ROUTES[key] = _route(q, k, layout, n, r, is_causal, tuple(window), cu, kv_exchange, backend)
+    return (pg,) + route
+
+
+# (plan, kernel) per call signature: plans are built once, and a VarlenPlan keeps its identity
+# (allgather_varlen caches its index tensors per plan object).
+_ROUTES: dict[tuple, tuple] = {}
+
+
+def _route(q, k, layout: str, n: int, r: int, is_causal: bool, window, cu, kv_exchange: str, backend: str):
+    local_len, batch = q.shape[2], q.shape[0]
+    gathered_kv_bytes = 2 * k.numel() * k.element_size() * n
+    exchange = choose_kv_exchange(kv_exchange, layout_from_spec(layout), local_len, n, q.device.type,
+                                  gathered_kv_bytes)
+    row_cus = (None,) if cu is None else row_cu_seqlens(cu, batch, local_len * n)
+    distinct = list(dict.fromkeys(row_cus))
+    row_plans = {c: _plans(layout, local_len, n, is_causal, window, c, exchange) for c in distinct}
+    all_tasks = [task for plans in row_plans.values() for plan in plans for task in _tasks_of(plan)]
+    per_row = len(distinct) > 1
+    if exchange == "allgather" and cu is not None:
+        # Documents under the all-gather schedule: one varlen call for the whole batch where a
+        # kernel takes it in one launch, and for rows with their own documents (instead of a
+        # loop over rows) with any kernel that takes varlen calls.
+        kernel = select_kernel(backend, q, k, all_tasks, prefer_varlen=True)
+        window_br = varlen_window(AttnMask.make(is_causal, window))
+        plan = VarlenPlan(tuple(row_plans[c][r] for c in row_cus), window_br)
+        if (kernel.supports_varlen and (per_row or kernel.varlen_one_launch) and plan.rows_tiled
+                and varlen_reason(all_tasks, window_br) is None):
+            return plan, kernel
+    else:
+        kernel = select_kernel(backend, q, k, all_tasks)
+    if per_row:
+        return tuple(row_plans[c][r] for c in row_cus), kernel
+    return row_plans[distinct[0]][r], kernel
 
 
 def _tasks_of(plan) -> list:
     if isinstance(plan, AllGatherPlan):
         return list(plan.tasks)
     return [task for step in plan.steps for task in step.tasks]
-
-
-_KERNEL_CHOICE: dict[tuple, Kernel] = {}
-_EXCHANGE_CHOICE: dict[tuple, str] = {}
 
 
 def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens,
@@ -109,9 +177,21 @@ def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_
     pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
                                kv_exchange)
     with _on_device_of(q):
-        if isinstance(plan, AllGatherPlan):
-            return allgather_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
+        return _forward_with(plan, q, k, v, pg, kernel, scale, keep)
+
+
+def _forward_with(plan, q, k, v, pg, kernel, scale, keep):
+    if isinstance(plan, VarlenPlan):
+        return allgather_varlen_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
+    if isinstance(plan, AllGatherPlan):
+        return allgather_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
+    if isinstance(plan, RingPlan):
         return ring_forward(q, k, v, pg, plan, kernel, scale) + (None,)
+    # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
+    # the same calls in the same order on every rank
+    rows = [_forward_with(p, q[b:b + 1], k[b:b + 1], v[b:b + 1], pg, kernel, scale, keep) for b, p in enumerate(plan)]
+    return (torch.cat([o for o, _, _ in rows]), torch.cat([lse for _, lse, _ in rows]),
+            [kept for _, _, kept in rows] if keep else None)
 
 
 def _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
@@ -119,9 +199,22 @@ def _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale,
     pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
                                kv_exchange)
     with _on_device_of(q):
-        if isinstance(plan, AllGatherPlan):
-            return allgather_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
+        return _backward_with(plan, dout, q, k, v, out, lse, pg, kernel, scale, kept)
+
+
+def _backward_with(plan, dout, q, k, v, out, lse, pg, kernel, scale, kept):
+    if isinstance(plan, VarlenPlan):
+        return allgather_varlen_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
+    if isinstance(plan, AllGatherPlan):
+        return allgather_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
+    if isinstance(plan, RingPlan):
         return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
+    grads = [
+        _backward_with(p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), pg, kernel, scale,
+                       None if kept is None else kept[b])
+        for b, p in enumerate(plan)
+    ]
+    return tuple(torch.cat(g) for g in zip(*grads))
 
 
 def _on_device_of(t: torch.Tensor):

@@ -412,3 +412,82 @@ def choose_kv_exchange(
             and allgather_reason(layout, local_len, world_size) is None):
         return "allgather"
     return "ring"
+
+
+# ---- one variable-length kernel call for a whole batch ---------------------------------------------
+# Under a document mask the all-gather plan has one task per (run of queries, document): dozens of
+# small kernel calls per batch row, each costing host time. A varlen kernel (flash-attn's
+# cu_seqlens convention) takes them all at once: every (row, task) pair is one sequence of the
+# call, and rows may have their own documents.
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Every batch row's all-gather plan as one varlen kernel call.
+
+    `rows[b]` is row b's AllGatherPlan (the same object for rows that share a mask). Sequence i of
+    the call is task t of row b, in row order then task order: its queries are rows
+    q_start:q_end of batch row b (local), its keys k_start:k_end of row b's gathered K/V (global).
+    The kernel applies one bottom-right aligned window `window` = (left, right) to every sequence
+    (flash-attn's convention, -1 = unbounded; (-1, 0) is causal); `varlen_reason` has checked that
+    it gives each task exactly the task's band."""
+
+    rows: tuple[AllGatherPlan, ...]
+    window: tuple[int, int]
+
+    @property
+    def world_size(self) -> int:
+        return self.rows[0].world_size
+
+    @property
+    def rank(self) -> int:
+        return self.rows[0].rank
+
+    @property
+    def local_len(self) -> int:
+        return self.rows[0].local_len
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows[0].seq_len
+
+    @property
+    def rows_tiled(self) -> bool:
+        """Does every local query row of every batch row belong to exactly one sequence, in
+        order (so the packed queries are the local rows as they are)?"""
+        return all(p.rows_tiled for p in set(self.rows))
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(p.tasks) for p in self.rows)
+
+
+def varlen_window(mask: AttnMask) -> tuple[int, int]:
+    """The mask's band as a bottom-right aligned (left, right) window, -1 = unbounded."""
+    return (-1 if mask.lo is None else -mask.lo, -1 if mask.hi is None else mask.hi)
+
+
+def _normalized_band(q_len: int, k_len: int, lo: Optional[int], hi: Optional[int]):
+    # Bounds that cannot bind on a q_len x k_len block are the same as no bound.
+    if lo is not None and lo <= -(q_len - 1):
+        lo = None
+    if hi is not None and hi >= k_len - 1:
+        hi = None
+    return lo, hi
+
+
+def varlen_reason(tasks, window: tuple[int, int]) -> Optional[str]:
+    """Why one bottom-right aligned `window` does not give every task exactly its band (so the
+    tasks cannot be one varlen call), or None."""
+    left, right = window
+    for t in tasks:
+        shift = t.k_len - t.q_len  # bottom-right: query i lines up with key i + shift
+        lo = None if left < 0 else shift - left
+        hi = None if right < 0 else shift + right
+        if right >= t.k_len and hi is not None and hi < t.k_len - 1:
+            # FlashAttention-2 reads window_size_right >= seqlen_k as unbounded (kernels.py)
+            return f"window {window} would be read as unbounded on a {t.q_len}x{t.k_len} sequence"
+        if _normalized_band(t.q_len, t.k_len, lo, hi) != _normalized_band(t.q_len, t.k_len, t.lo, t.hi):
+            return (f"the task {t} has band ({t.lo}, {t.hi}), which the bottom-right window {window} "
+                    f"does not give on a {t.q_len}x{t.k_len} sequence")
+    return None

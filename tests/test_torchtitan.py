@@ -111,11 +111,12 @@ def test_document_masked_flavor_under_cp():
     assert ours.max_seq_len == cfg.training.seq_len
 
 
-def test_row_cu_seqlens_from_torchtitan_metadata():
-    """torchtitan's boundaries over the flattened B*S batch -> each row's own (0, ..., S)."""
+def test_torchtitan_boundaries_are_each_rows_documents():
+    """torchtitan's boundaries over the flattened B*S batch, as dtcp's cu_seqlens reads them:
+    each row's own documents (0, ..., S)."""
     from torchtitan.models.attention import create_varlen_metadata_for_document
 
-    from dtcp.ops import segments_from_cu_seqlens
+    from dtcp.ops import row_cu_seqlens, segments_from_cu_seqlens
 
     S, eos = 16, 0
     batch = torch.ones(4, S, dtype=torch.long)
@@ -124,14 +125,13 @@ def test_row_cu_seqlens_from_torchtitan_metadata():
         batch[b, positions] = eos
     cu = create_varlen_metadata_for_document(batch, eos).cu_seq_q
     assert cu.dtype == torch.int32 and int(cu[-1]) == 4 * S
+    rows = row_cu_seqlens(tuple(cu.tolist()), 4, S)
     for b, positions in enumerate(eos_at):
-        row = dt.row_cu_seqlens(cu, b, S)
-        assert row.shape == cu.shape and row.dtype == torch.int32
         starts = sorted({0, *(p + 1 for p in positions if p + 1 < S)})
         expected = tuple(zip(starts, starts[1:] + [S]))
-        assert segments_from_cu_seqlens(tuple(row.tolist()), S) == expected, (b, row)
-    one = create_varlen_metadata_for_document(batch[2:3], eos).cu_seq_q  # B == 1: as it is
-    assert torch.equal(dt.row_cu_seqlens(one, 0, S), one)
+        assert segments_from_cu_seqlens(rows[b], S) == expected, (b, rows[b])
+    one = create_varlen_metadata_for_document(batch[2:3], eos).cu_seq_q  # B == 1: the row's own
+    assert row_cu_seqlens(tuple(one.tolist()), 1, S) == (tuple(one.tolist()),)
 
 
 # ---- on 2 gloo ranks: the model --------------------------------------------------------------
@@ -308,8 +308,9 @@ def worker_masked_cases(cases, dtype_name):
     dtype = getattr(torch, dtype_name)
     cp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     results = []
-    for documents, layout_spec, window in cases:
-        options = dt.DtcpOptions(dtcp.layout_from_spec(layout_spec), "auto", None if window is None else (window, 0))
+    for documents, layout_spec, window, *kv_exchange in cases:
+        options = dt.DtcpOptions(dtcp.layout_from_spec(layout_spec), "auto", None if window is None else (window, 0),
+                                 *kv_exchange)
         varlen = {"attn_type": "varlen", "attn_mask_type": "block_causal"} if documents else {}
         model = tiny_model(dtype, **varlen)
         n = dt.apply_dtcp_to_attention(model, cp_mesh.get_group(), options)
@@ -328,7 +329,7 @@ def worker_masked_cases(cases, dtype_name):
         loss = cross_entropy_loss(model(inputs_l, **extra_inputs, **extra_kwargs), labels_l) / labels.numel()
         loss.backward()
         errs = _errs(model, loss, labels, masked_reference(dtype, inputs, labels, window, documents))
-        results.append({"case": (documents, layout_spec, window), "replaced": n, "modes": sorted(modes),
+        results.append({"case": (documents, layout_spec, window, *kv_exchange), "replaced": n, "modes": sorted(modes),
                         "local_len": inputs_l.shape[1], "errs": errs})
     return results
 
@@ -337,6 +338,8 @@ MASKED_CASES = [
     (True, "zigzag", None), (True, "contiguous", None), (True, "striped:1", None), (True, "striped:4", None),
     (True, "zigzag", 9), (True, "contiguous", 20),   # documents and a window together
     (False, "zigzag", 5), (False, "contiguous", 40), (False, "striped:2", 1),  # window only
+    # the all-gather schedule: each batch row's documents in one varlen call for the batch
+    (True, "zigzag", None, "allgather"), (True, "contiguous", 20, "allgather"),
 ]
 
 

@@ -37,9 +37,9 @@ spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
 * document masking: flavors with ``attn_type = "varlen"`` (torchtitan refuses them under CP) get
   the packed batch's document boundaries, found from EOS tokens by torchtitan's own
   ``create_varlen_metadata_for_document`` on the whole (unsharded) batch before the inputs are
-  sharded, so identical on every cp rank. They cover the batch flattened to B*S tokens; dtcp's
-  ``cu_seqlens`` applies one mask to every row, so each batch row is one ``dtcp.ring_attention``
-  call with that row's boundaries (`row_cu_seqlens`).
+  sharded, so identical on every cp rank. They cover the batch flattened to B*S tokens, which
+  dtcp's ``cu_seqlens`` takes as they are (each row with its own documents): one
+  ``dtcp.ring_attention`` call per layer for the whole batch.
 * sliding window: ``[dtcp] window_size = W`` is ``dtcp.ring_attention(window_size=(W, 0))``
   in every attention call (causal, with or without document masking).
 
@@ -83,7 +83,6 @@ __all__ = [
     "DtcpOptions",
     "DtcpRingAttention",
     "dtcp_options",
-    "row_cu_seqlens",
     "apply_dtcp_to_attention",
     "dtcp_train_spec",
 ]
@@ -150,18 +149,6 @@ def dtcp_options(job_config) -> DtcpOptions:
 
 
 # ---- attention ---------------------------------------------------------------------------------
-def row_cu_seqlens(cu_seq: torch.Tensor, row: int, seq_len: int) -> torch.Tensor:
-    """Document boundaries of batch row `row`, as dtcp's `cu_seqlens` (0, ..., seq_len), from
-    torchtitan's ``VarlenMetadata.cu_seq_q``: the boundaries over the batch flattened to
-    B*seq_len tokens (each row starts a document at row*seq_len; the last value is B*seq_len).
-
-    Shifting by row*seq_len and clamping to [0, seq_len] keeps the shape (no host sync, no
-    data-dependent shape, so compiled blocks stay whole): the other rows' boundaries become
-    repeated 0s and seq_lens, empty documents, which dtcp drops. For a one-row batch `cu_seq`
-    already is that row's boundaries (DtcpRingAttention passes it as it is)."""
-    return (cu_seq - row * seq_len).clamp(0, seq_len)
-
-
 class DtcpRingAttention(nn.Module):
     """Drop-in for torchtitan's ScaledDotProductAttentionWrapper / VarlenAttentionWrapper that
     runs dtcp's ring over the context-parallel group. q, k, v: (B, H, S_local, D), this rank's
@@ -203,20 +190,10 @@ class DtcpRingAttention(nn.Module):
                 f"{type(attention_masks).__name__}"
             )
         enable_gqa = q.shape[1] != k.shape[1]  # torchtitan's varlen call does not pass it
-        seq_len = q.shape[2] * self.cp_size  # the whole (unsharded) sequence
-        cu = attention_masks.cu_seq_q  # global: built from the unsharded batch, same on every cp rank
-        if q.shape[0] == 1:
-            out = dtcp.ring_attention(q, k, v, self.group, enable_gqa=enable_gqa, cu_seqlens=cu, **kwargs)
-        else:
-            # dtcp applies one document mask to every batch row; torchtitan's rows have their own
-            # documents: one ring call per row, the same calls in the same order on every rank.
-            out = torch.cat([
-                dtcp.ring_attention(
-                    q[b:b + 1], k[b:b + 1], v[b:b + 1], self.group, enable_gqa=enable_gqa,
-                    cu_seqlens=row_cu_seqlens(cu, b, seq_len), **kwargs,
-                )
-                for b in range(q.shape[0])
-            ])
+        # Global boundaries over the batch flattened to B*S tokens, built from the unsharded batch
+        # (the same on every cp rank): dtcp reads them as each row's own documents.
+        cu = attention_masks.cu_seq_q
+        out = dtcp.ring_attention(q, k, v, self.group, enable_gqa=enable_gqa, cu_seqlens=cu, **kwargs)
         # torchtitan's varlen path views the output as (B, S, -1): (B, S_local, H, D) here.
         return out.transpose(1, 2).contiguous()
 

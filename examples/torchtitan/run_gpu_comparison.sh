@@ -3,11 +3,15 @@
 #
 #   bash examples/torchtitan/run_gpu_comparison.sh eager      # seed + cp1, dtcp_cp2, titan_cp2
 #   bash examples/torchtitan/run_gpu_comparison.sh compile    # seed + the same with --compile.enable
-#   bash examples/torchtitan/run_gpu_comparison.sh docmask    # seed + document-masked cp1_doc, dtcp_cp2_doc
+#   bash examples/torchtitan/run_gpu_comparison.sh docmask    # seed + document-masked cp1_doc, dtcp_cp2_doc,
+#                                                             # and both again with --compile.enable
 #   REPEATS=4 bash examples/torchtitan/run_gpu_comparison.sh eager   # 4 pairs of dtcp and torchtitan
 #       CP=2 runs in ABBA order (dtcp_cp2_r1, titan_cp2_r1, titan_cp2_r2, dtcp_cp2_r2, ...): tokens/s
 #       on these machines drifts by 10-30% within a call and from run to run, so one pair of runs
 #       does not settle which is faster; ABBA cancels a steady drift
+#   STEPS=100 ...: train 100 steps instead of the config's 20 (every run, CP=1 too, so the loss
+#       columns stay comparable); a step of the debug model is ~60 ms against ~25 s of start-up and
+#       compile, so more steps give many more tokens/s samples per run for little device time
 #
 # Run from the repository root with the wheels of download_wheels.sh in .whl/ (and .whl-arrow/
 # where the machine lacks pyarrow/pandas). Every run starts from one seed checkpoint made on one
@@ -48,6 +52,7 @@ if [ ! -d "$SEED" ]; then
     --checkpoint.enable --checkpoint.create_seed_checkpoint
 fi
 LOAD=(--checkpoint.enable --checkpoint.load_only --checkpoint.initial_load_path "$SEED")
+[ -n "${STEPS:-}" ] && LOAD+=(--training.steps "$STEPS")
 CP1=(--parallelism.context_parallel_degree 1)
 TITAN=(--model.name llama3)   # torchtitan's own CP (PyTorch experimental context_parallel, head-tail balancer)
 
@@ -85,8 +90,14 @@ case $what in
     CFG=examples/torchtitan/llama3_debug_cp2_docmask.toml
     # No torchtitan CP=2 run: torchtitan 0.2.2 refuses CP with varlen (document-masked) flavors.
     run cp1_doc 1 "${CP1[@]}" "${LOAD[@]}"            # torchtitan's own varlen attention, one GPU
-    run dtcp_cp2_doc 2 "${LOAD[@]}"                   # dtcp's ring with each row's document boundaries
+    run dtcp_cp2_doc 2 "${LOAD[@]}"                   # dtcp with each row's document boundaries
+    run cp1_doc_compile 1 "${CP1[@]}" --compile.enable "${LOAD[@]}"
+    run dtcp_cp2_doc_compile 2 --compile.enable "${LOAD[@]}"
     python examples/torchtitan/compare_losses.py cp1_doc="$LOGS/cp1_doc.log" dtcp_cp2_doc="$LOGS/dtcp_cp2_doc.log"
+    rc=$?
+    python examples/torchtitan/compare_losses.py cp1_doc_compile="$LOGS/cp1_doc_compile.log" \
+      dtcp_cp2_doc_compile="$LOGS/dtcp_cp2_doc_compile.log" || rc=1
+    exit $rc
     ;;
   *) echo "usage: $0 eager|compile|docmask" >&2; exit 2 ;;
 esac
