@@ -17,7 +17,7 @@ from dtcp import ops
 from dtcp.kernels import KERNELS, window_band
 from dtcp.schedule import AttnMask, Task, VarlenPlan, allgather_plans, varlen_reason, varlen_window
 from reference import reference_attention, rel_err, window_doc_mask
-from test_window_varlen import assert_exact, err
+from test_window_varlen import assert_exact, sharded_errors
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
 
@@ -131,15 +131,8 @@ def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 
     # checks the strides of custom op outputs against them)
     for name, t in (("out", out), ("lse", lse), ("dq", local[0].grad), ("dk", local[1].grad), ("dv", local[2].grad)):
         assert t.is_contiguous(), (name, t.shape, t.stride())
-    shard = lambda t: layout.shard(t, dim=2)  # noqa: E731
-    return {
-        "out": err(out, shard(out_ref)),
-        "lse": err(lse, shard(lse_ref)),
-        "dq": err(local[0].grad, shard(ref[0].grad)),
-        "dk": err(local[1].grad, shard(ref[1].grad)),
-        "dv": err(local[2].grad, shard(ref[2].grad)),
-        "plan": type(plan).__name__,
-    }
+    errors = sharded_errors(layout, (out, lse, *(t.grad for t in local)), (out_ref, lse_ref, *(t.grad for t in ref)))
+    return {**errors, "plan": type(plan).__name__}
 
 
 # Rows with their own documents, S = 16 on 4 ranks (8 on 2): one document, many short ones with

@@ -58,14 +58,12 @@ def masked_errors(layout_spec, s, is_causal=False, window=None, cu=None, heads=(
     else:
         out, lse = dtcp.ring_attention(*local, window_size=window, **kwargs)
     out.backward(layout.shard(dout, dim=2))
-    shard = lambda t: layout.shard(t, dim=2)  # noqa: E731
-    return {
-        "out": err(out, shard(out_ref)),
-        "lse": err(lse, shard(lse_ref)),
-        "dq": err(local[0].grad, shard(ref[0].grad)),
-        "dk": err(local[1].grad, shard(ref[1].grad)),
-        "dv": err(local[2].grad, shard(ref[2].grad)),
-    }
+    return sharded_errors(layout, (out, lse, *(t.grad for t in local)), (out_ref, lse_ref, *(t.grad for t in ref)))
+
+
+def sharded_errors(layout, got, full) -> dict:
+    """{"out", "lse", "dq", "dk", "dv"}: this rank's results against its shard of the full ones."""
+    return {key: err(g, layout.shard(f, dim=2)) for key, g, f in zip(KEYS, got, full)}
 
 
 def assert_exact(results, what=""):
