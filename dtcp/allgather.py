@@ -59,16 +59,32 @@ def _orders(plan: AllGatherPlan, device: torch.device) -> tuple[Optional[torch.T
     return cached
 
 
+def all_gather_kv(send: torch.Tensor, pg, world_size: int) -> torch.Tensor:
+    """(N * 2, ...): every rank's `send` (2, ...) = its stacked K and V, rank-major, counted in
+    dtcp.comm_stats as one K/V round."""
+    # flat along dim 0: gloo takes no stacked shape
+    gathered = send.new_empty((world_size * send.shape[0],) + send.shape[1:])
+    _compat.all_gather_into(gathered, send, pg)
+    STATS.kv_rounds += 1
+    STATS.kv_bytes_sent += (world_size - 1) * send.numel() * send.element_size()
+    return gathered
+
+
+def reduce_scatter_dkv(send: torch.Tensor, pg, world_size: int) -> torch.Tensor:
+    """(2, ...): the sum over ranks of this rank's part of `send` (N * 2, ...) = every rank's
+    stacked dK and dV shares, rank-major, counted in dtcp.comm_stats as one gradient round."""
+    mine = send.new_empty((send.shape[0] // world_size,) + send.shape[1:])
+    _compat.reduce_scatter_into(mine, send, pg)
+    STATS.grad_rounds += 1
+    STATS.grad_bytes_sent += (world_size - 1) * mine.numel() * mine.element_size()
+    return mine
+
+
 def gather_kv(k, v, pg, plan: AllGatherPlan) -> torch.Tensor:
     """(2, B, Hkv, S, D): every rank's K and V in global token order."""
     b, h, l_len, d = k.shape
     n = plan.world_size
-    send = torch.stack((k, v))
-    gathered = send.new_empty((n * 2, b, h, l_len, d))  # flat along dim 0: gloo takes no stacked shape
-    _compat.all_gather_into(gathered, send, pg)
-    gathered = gathered.view(n, 2, b, h, l_len, d)
-    STATS.kv_rounds += 1
-    STATS.kv_bytes_sent += (n - 1) * send.numel() * send.element_size()
+    gathered = all_gather_kv(torch.stack((k, v)), pg, n).view(n, 2, b, h, l_len, d)
     # (N, 2, B, Hkv, L, D) -> (2, B, Hkv, N*L, D), rank-major along the sequence
     kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, n * l_len, d)
     to_global, _ = _orders(plan, k.device)
@@ -136,9 +152,6 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
         dkv = dkv.index_select(3, to_rank_major)
     send = dkv.view(2, b, h, n, l_len, d).permute(3, 0, 1, 2, 4, 5).reshape(n * 2, b, h, l_len, d)
     del dkv
-    mine = send.new_empty((2, b, h, l_len, d))
-    _compat.reduce_scatter_into(mine, send, pg)
-    STATS.grad_rounds += 1
-    STATS.grad_bytes_sent += (n - 1) * mine.numel() * mine.element_size()
+    mine = reduce_scatter_dkv(send, pg, n)
     # copy=True: fresh dk and dv even when no cast is needed (outputs must not alias each other)
     return dq, mine[0].to(k.dtype, copy=True), mine[1].to(v.dtype, copy=True)

@@ -25,8 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import _compat
-from .comm import STATS
+from .allgather import all_gather_kv, reduce_scatter_dkv
 from .kernels import Kernel, VarlenSeqs, acc_dtype
 from .schedule import VarlenPlan
 
@@ -41,10 +40,10 @@ class _Packing:
 _PACKINGS: dict = {}
 
 
-def _packing(plan: VarlenPlan, batch: int, device: torch.device) -> _Packing:
+def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     """Index tensors for `plan`, built once per plan object and device (plans are cached, so
     every layer of a model step reuses them)."""
-    key = (id(plan), batch, device)
+    key = (id(plan), device)
     hit = _PACKINGS.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
@@ -109,11 +108,7 @@ def gather_packed_kv(k, v, pg, plan: VarlenPlan, packing: _Packing) -> torch.Ten
     """(2, T_k, Hkv, D): the keys and values of every sequence, back to back."""
     b, h, l_len, d = k.shape
     n = plan.world_size
-    send = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))  # (2, B, L, Hkv, D)
-    gathered = send.new_empty((n * 2, b, l_len, h, d))  # flat along dim 0: gloo takes no stacked shape
-    _compat.all_gather_into(gathered, send, pg)
-    STATS.kv_rounds += 1
-    STATS.kv_bytes_sent += (n - 1) * send.numel() * send.element_size()
+    gathered = all_gather_kv(torch.stack((k.transpose(1, 2), v.transpose(1, 2))), pg, n)  # (N*2, B, L, Hkv, D)
     # (N, 2, B*L, Hkv, D) -> (2, N, B*L, Hkv, D) view; one gather picks every packed key
     return gathered.view(n, 2, b * l_len, h, d).transpose(0, 1)[:, packing.key_rank, packing.key_row]
 
@@ -122,10 +117,11 @@ def allgather_varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scal
     """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards. Returns out (B, Hq, L, D) in
     q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the packed K/V for
     allgather_varlen_backward (else None)."""
-    packing = _packing(plan, q.shape[0], q.device)
+    packing = _packing(plan, q.device)
     kv = gather_packed_kv(k, v, pg, plan, packing)
     out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale)
-    return _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype)), (kv if keep_kv else None)
+    out, lse = _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
+    return out, lse, (kv if keep_kv else None)
 
 
 def allgather_varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
@@ -135,7 +131,7 @@ def allgather_varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, ker
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
     n = plan.world_size
-    packing = _packing(plan, q.shape[0], q.device)
+    packing = _packing(plan, q.device)
     if kv is None:
         kv = gather_packed_kv(k, v, pg, plan, packing)
     dq, dk, dv = kernel.varlen_backward(
@@ -149,9 +145,6 @@ def allgather_varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, ker
     torch.ops.aten.index_put_(dkv.transpose(0, 1), [None, packing.key_rank, packing.key_row],
                               torch.stack((dk, dv)).to(acc), True)
     del dk, dv
-    mine = dkv.new_empty((2, b, l_len, h, d))
-    _compat.reduce_scatter_into(mine, dkv.view(n * 2, b, l_len, h, d), pg)
-    STATS.grad_rounds += 1
-    STATS.grad_bytes_sent += (n - 1) * mine.numel() * mine.element_size()
+    mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
     return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))

@@ -83,7 +83,7 @@ class Kernel:
         outs, lses = [], []
         for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
             lo, hi = window_band(qb - qa, kb - ka, window)
-            o, l = self.forward(*(_block(t[a:b]) for t, a, b in ((q, qa, qb), (k, ka, kb), (v, ka, kb))), lo, hi, scale)
+            o, l = self.forward(_block(q[qa:qb]), _block(k[ka:kb]), _block(v[ka:kb]), lo, hi, scale)
             outs.append(_rows(o))
             lses.append(l[0])
         return torch.cat(outs), torch.cat(lses, dim=1)

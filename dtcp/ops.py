@@ -55,9 +55,7 @@ def row_cu_seqlens(cu: tuple[int, ...], batch: int, seq_len: int) -> tuple[tuple
     at every row start b*S: documents do not cross rows; torchtitan's and flash-attn's packed
     batches). Checks the values."""
     if batch > 1 and len(cu) >= 2 and cu[0] == 0 and cu[-1] == batch * seq_len:
-        for i in range(1, len(cu)):
-            if cu[i] < cu[i - 1]:
-                raise ValueError(f"cu_seqlens must not decrease; it does at index {i} ({cu[i - 1]} -> {cu[i]})")
+        segments_from_cu_seqlens(cu, batch * seq_len)  # checks the flattened boundaries never decrease
         rows = []
         for b in range(batch):
             lo, hi = b * seq_len, (b + 1) * seq_len

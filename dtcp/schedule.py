@@ -457,10 +457,6 @@ class VarlenPlan:
         order (so the packed queries are the local rows as they are)?"""
         return all(p.rows_tiled for p in set(self.rows))
 
-    @property
-    def num_sequences(self) -> int:
-        return sum(len(p.tasks) for p in self.rows)
-
 
 def varlen_window(mask: AttnMask) -> tuple[int, int]:
     """The mask's band as a bottom-right aligned (left, right) window, -1 = unbounded."""
