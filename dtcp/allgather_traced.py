@@ -12,6 +12,12 @@ the backward, and no Python runs per call.
 the traced all-gather where `traced_reason` finds nothing against it, else the custom op. Eager
 calls do not come here (ops.ring_attention_eager_or_op).
 
+With PyTorch's CUDA flash kernel, a zigzag rank's two tasks (and every batch row) are one varlen
+launch (`allgather_attention_traced_one_launch`): every (row, task) pair is one sequence, the
+packed keys are one fused copy out of the gathered shards, and the output is the kernel's own
+buffer, with no concatenation. Forward and backward each make one attention launch per layer
+instead of two, and a few copies fewer: host time is what bounds short sequences.
+
 Accuracy: K/V are gathered in float32 (float64 for float64), so the all-gather's backward sums
 dK/dV over ranks in float32, and each task's K/V slice is cast back to the input dtype for the
 kernel; the two tasks' dK/dV shares are summed in float32 by the cast's backward.
@@ -19,6 +25,7 @@ kernel; the two tasks' dK/dV shares are summed in float32 by the cast's backward
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -46,8 +53,88 @@ def traced_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optio
     return f"no traceable form of the {kernel.name!r} kernel"
 
 
+ONE_LAUNCH = True  # False: one kernel call per task (ops.compiled_route_key passes it to the caches)
+
+
+def _one_launch_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optional[str]:
+    """Why the traced call cannot be one varlen flash launch, or None (it can)."""
+    if not ONE_LAUNCH:
+        return "switched off (allgather_traced.ONE_LAUNCH = False)"
+    if kernel.name != "flash" or q.device.type != "cuda":
+        return "one varlen launch is PyTorch's CUDA flash kernel"
+    if len(plan.tasks) < 2:
+        return "one task is already one launch"
+    if not (all(t.is_full for t in plan.tasks) or all(_is_bottom_right_causal(t) for t in plan.tasks)):
+        return "one launch takes one causal flag for every task"
+    return None
+
+
+@dataclass(frozen=True)
+class PackedTasks:
+    """Every (batch row, task) pair of a plan as one sequence of a varlen call: row b's queries
+    are rows [b*L, (b+1)*L) of the packed q (tasks in query order, which tile the shard), and its
+    keys are each task's key range in turn, `row_keys` tokens per row."""
+
+    rows: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    causal: bool
+
+    @property
+    def row_keys(self) -> int:
+        return sum(self.k_lens)
+
+    def cu_seqlens(self, lens: tuple[int, ...], device) -> torch.Tensor:
+        """(rows * T + 1,) int32 cumulative lengths, written as arithmetic on an arange so that
+        it traces into the graph (a traced function may not hold a cached device tensor)."""
+        i = torch.arange(self.rows * len(lens) + 1, dtype=torch.int32, device=device)
+        cu = (i // len(lens)) * sum(lens)
+        for t in range(len(lens) - 1):
+            cu = cu + (i % len(lens) > t).to(torch.int32) * lens[t]
+        return cu
+
+
+def flash_varlen_differentiable(q, k, v, packed: PackedTasks, scale: float):
+    """q (Tq, Hq, D), k/v (Tk, Hkv, D) -> out (Tq, Hq, D), lse (Hq, Tq): one
+    aten._flash_attention_forward launch over the packed sequences (autograd registered in
+    derivatives.yaml; causal is bottom-right per sequence)."""
+    cu_q, cu_k = packed.cu_seqlens(packed.q_lens, q.device), packed.cu_seqlens(packed.k_lens, q.device)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max(packed.q_lens), max(packed.k_lens), 0.0, packed.causal, False, scale=scale)
+    return out, _compat.flash_varlen_lse(lse, q)
+
+
+def allgather_attention_traced_one_launch(q, k, v, pg, plan: AllGatherPlan, scale: float, attention=None):
+    """The traced all-gather with every task of every batch row in one varlen launch.
+
+    K and V are gathered token-major, (N*2, B, L, Hkv, D): a straight copy when they are
+    transposed views of (B, L, H, D) projections, as in most models. The packed keys (2, B*Tk,
+    Hkv, D) are one fused copy (slices of the gathered shards, cast to the input dtype); the
+    packed queries are a view when q is such a transposed view. Returns out (B, Hq, L, D) as a
+    transposed view of the kernel's (B*L, Hq, D) output, as SDPA's flash path returns it, and
+    lse (B, Hq, L). `attention` (default flash_varlen_differentiable) is the varlen call; tests
+    pass a float64 reference."""
+    attention = attention or flash_varlen_differentiable
+    acc = acc_dtype(q.dtype)
+    b, hq, l_len, d = q.shape
+    hkv = k.shape[1]
+    packed = PackedTasks(b, tuple(t.q_len for t in plan.tasks), tuple(t.k_len for t in plan.tasks),
+                         causal=not plan.tasks[0].is_full)
+    send = torch.stack((k.transpose(1, 2), v.transpose(1, 2))).to(acc)  # (2, B, L, Hkv, D)
+    per_rank = _compat.all_gather_autograd(send, pg).view(plan.world_size, 2, b, l_len, hkv, d)
+    pieces = [per_rank[rank][:, :, lo:hi] for t in plan.tasks for rank, lo, hi in plan.key_slices(t.k_start, t.k_end)]
+    kv = torch.cat(pieces, dim=2).to(q.dtype)  # (2, B, Tk, Hkv, D), Tk = packed.row_keys
+    kv = kv.reshape(2, b * packed.row_keys, hkv, d)
+    out, lse = attention(q.transpose(1, 2).reshape(b * l_len, hq, d), kv[0], kv[1], packed, scale)
+    out = out.view(b, l_len, hq, d).transpose(1, 2)
+    lse = lse.view(hq, b, l_len).transpose(0, 1)
+    return out, lse.to(acc).contiguous()
+
+
 def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float):
     """(out (B, Hq, L, D), lse (B, Hq, L)), differentiable in q, k, v; see the module docstring."""
+    if _one_launch_reason(plan, kernel, q) is None:
+        return allgather_attention_traced_one_launch(q, k, v, pg, plan, scale)
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
     n, r_count, p_len = plan.world_size, plan.runs_per_rank, plan.piece_len

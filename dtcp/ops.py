@@ -292,25 +292,36 @@ ring_attention_forward.register_autograd(_backward, setup_context=_setup_context
 # tracing decomposes it, so what it returns decides what the graph holds. Where the all-gather
 # schedule applies in traceable form (allgather_traced.traced_reason), the graph gets its
 # functional collectives and attention ops, compiled like the rest of the model; everywhere else
-# it gets the custom op above, as before. TRACED_ALLGATHER = False keeps every call on the custom op.
+# it gets the custom op above, as before. TRACED_ALLGATHER = False keeps every call on the custom
+# op; allgather_traced.ONE_LAUNCH = False keeps the traced route at one kernel call per task.
 TRACED_ALLGATHER = True
 
 _LIB = torch.library.Library("dtcp", "FRAGMENT")
-# `rank`, `world_size` and `traced` are arguments although the op could look them up: what the
+# `rank`, `world_size` and `route` are arguments although the op could look them up: what the
 # decomposition emits depends on them (this rank's kernel calls are constants of its graph), and
-# torch.compile's caches key on the graph *before* decomposition. With them in the call, each
-# rank, group size and setting has its own cache entry (without them, ranks shared one: wrong
-# results from a warm cache, seen on CPU).
+# torch.compile's caches (dynamo's, and inductor's and AOT autograd's on disk) key on the graph
+# *before* decomposition. With them in the call, each rank, group size, route setting and dtcp
+# version has its own cache entry (without them, ranks shared one: wrong results from a warm
+# cache, seen on CPU; and a switched route setting silently reused the other route's graph).
 _LIB.define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
     "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, int rank, "
-    "int world_size, bool traced) -> (Tensor, Tensor)"
+    "int world_size, str route) -> (Tensor, Tensor)"
 )
 
 
+def compiled_route_key() -> str:
+    """The `route` argument of dtcp::ring_attention: the settings its decomposition reads."""
+    from . import __version__, allgather_traced
+
+    if not TRACED_ALLGATHER:
+        return f"custom_op;dtcp {__version__}"
+    return f"traced{'+one_launch' if allgather_traced.ONE_LAUNCH else ''};dtcp {__version__}"
+
+
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                              cu_seqlens, kv_exchange, rank, world_size, traced):
-    if traced and cu_seqlens is None:
+                              cu_seqlens, kv_exchange, rank, world_size, route):
+    if route.startswith("traced") and cu_seqlens is None:
         pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), None,
                                    kv_exchange)
         if (plan.rank, plan.world_size) != (rank, world_size):
@@ -360,7 +371,7 @@ def ring_attention_eager_or_op(q, k, v, *args, rank: int = 0, world_size: int = 
     through the custom op. `args` are all of the op's arguments after q, k, v (group_name ..
     kv_exchange); rank and world_size are this process's in the group (the compiled route's)."""
     if torch.compiler.is_compiling():
-        return torch.ops.dtcp.ring_attention(q, k, v, *args, rank, world_size, TRACED_ALLGATHER)
+        return torch.ops.dtcp.ring_attention(q, k, v, *args, rank, world_size, compiled_route_key())
     if EAGER_FAST_PATH and _compat.plain_eager_call(q, k, v, args[7]):
         return _RingAttentionEager.apply(q, k, v, *args)
     return ring_attention_forward(q, k, v, *args)

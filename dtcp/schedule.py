@@ -345,6 +345,21 @@ class AllGatherPlan:
             pos[p] = j
         return tuple(pos)
 
+    def key_slices(self, k_start: int, k_end: int) -> tuple[tuple[int, int, int], ...]:
+        """Global keys [k_start, k_end) as (rank, lo, hi) slices of the ranks' own shards, in
+        global order; neighbouring slices of one rank that touch are merged."""
+        p_len, r_count = self.piece_len, self.runs_per_rank
+        out: list[list[int]] = []
+        for j in range(k_start // p_len, -(-k_end // p_len)):
+            p = self.global_order[j]
+            g0, g1 = max(k_start, j * p_len), min(k_end, (j + 1) * p_len)
+            rank, lo = p // r_count, (p % r_count) * p_len + g0 - j * p_len
+            if out and out[-1][0] == rank and out[-1][2] == lo:
+                out[-1][2] = lo + g1 - g0
+            else:
+                out.append([rank, lo, lo + g1 - g0])
+        return tuple(tuple(x) for x in out)
+
 
 ALLGATHER_MAX_RUNS = 2
 
