@@ -9,6 +9,10 @@
 #       CP=2 runs in ABBA order (dtcp_cp2_r1, titan_cp2_r1, titan_cp2_r2, dtcp_cp2_r2, ...): tokens/s
 #       on these machines drifts by 10-30% within a call and from run to run, so one pair of runs
 #       does not settle which is faster; ABBA cancels a steady drift
+#   SIDE_BY_SIDE=1 REPEATS=4 ... (4 GPUs): each pair runs at the same time, dtcp on GPUs 0,1 and
+#       torchtitan on GPUs 2,3 (then swapped), each job pinned to its own half of the physical
+#       cores (swapped with the GPUs): both see the same host drift, which back-to-back runs on 2
+#       GPUs do not
 #   STEPS=100 ...: train 100 steps instead of the config's 20 (every run, CP=1 too, so the loss
 #       columns stay comparable); a step of the debug model is ~60 ms against ~25 s of start-up and
 #       compile, so more steps give many more tokens/s samples per run for little device time
@@ -57,7 +61,54 @@ CP1=(--parallelism.context_parallel_degree 1)
 TITAN=(--model.name llama3)   # torchtitan's own CP (PyTorch experimental context_parallel, head-tail balancer)
 
 REPEATS=${REPEATS:-1}
+SIDE_BY_SIDE=${SIDE_BY_SIDE:-0}
+if [ "$SIDE_BY_SIDE" = 1 ]; then
+  # Two halves of the host's physical cores (hyperthread siblings stay together), one per job.
+  mapfile -t CPU_HALVES < <(python - <<'PY'
+import glob, os
+cores = {}
+for cpu in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*"), key=lambda p: int(p.rsplit("cpu", 1)[1])):
+    n = int(cpu.rsplit("cpu", 1)[1])
+    if n not in os.sched_getaffinity(0):
+        continue
+    try:
+        key = (open(f"{cpu}/topology/physical_package_id").read().strip(), open(f"{cpu}/topology/core_id").read().strip())
+    except OSError:
+        key = ("0", str(n))
+    cores.setdefault(key, []).append(n)
+groups = list(cores.values())
+half = len(groups) // 2
+print(",".join(str(c) for g in groups[:half] for c in g))
+print(",".join(str(c) for g in groups[half:] for c in g))
+PY
+)
+  echo "side by side: GPUs 0,1 with cores ${CPU_HALVES[0]}; GPUs 2,3 with cores ${CPU_HALVES[1]}"
+fi
+
+run_on() {  # run_on SLOT NAME NGPU [torchtitan args...]: run() on GPU pair SLOT (0: 0,1; 1: 2,3) and its cores
+  local slot=$1; shift
+  (
+    export CUDA_VISIBLE_DEVICES=$((2 * slot)),$((2 * slot + 1))
+    taskset -pc "${CPU_HALVES[$slot]}" "$BASHPID" > /dev/null
+    run "$@"
+  )
+}
+
+pairs_side_by_side() {  # dtcp and torchtitan CP=2 at the same time on GPUs 0,1 and 2,3; they swap GPUs and cores each repeat
+  local suffix=$1; shift
+  ARGS=()
+  for i in $(seq 1 "$REPEATS"); do
+    local tag=""; [ "$REPEATS" -gt 1 ] && tag="_r$i"
+    local dslot=$(((i + 1) % 2)) tslot=$((i % 2))
+    run_on "$dslot" "dtcp_cp2$suffix$tag" 2 "$@" "${LOAD[@]}" &
+    run_on "$tslot" "titan_cp2$suffix$tag" 2 "${TITAN[@]}" "$@" "${LOAD[@]}" &
+    wait
+    ARGS+=("dtcp_cp2$suffix$tag=$LOGS/dtcp_cp2$suffix$tag.log" "titan_cp2$suffix$tag=$LOGS/titan_cp2$suffix$tag.log")
+  done
+}
+
 pairs() {  # pairs SUFFIX [torchtitan args...]: dtcp and torchtitan CP=2, REPEATS pairs, ABBA order
+  [ "$SIDE_BY_SIDE" = 1 ] && { pairs_side_by_side "$@"; return; }
   local suffix=$1; shift
   ARGS=()
   for i in $(seq 1 "$REPEATS"); do
