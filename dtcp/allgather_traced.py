@@ -137,13 +137,9 @@ def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel,
         return allgather_attention_traced_one_launch(q, k, v, pg, plan, scale)
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
-    n, r_count, p_len = plan.world_size, plan.runs_per_rank, plan.piece_len
     gathered = _compat.all_gather_autograd(torch.stack((k, v)).to(acc), pg)  # (N*2, B, Hkv, L, D)
-    per_rank = gathered.view(n, 2, b, h, l_len, d)
-    pieces = []
-    for p in plan.global_order:  # piece p is run p % R of rank p // R
-        lo = (p % r_count) * p_len
-        pieces.append(per_rank[p // r_count][:, :, :, lo:lo + p_len])
+    per_rank = gathered.view(plan.world_size, 2, b, h, l_len, d)
+    pieces = [per_rank[rank][:, :, :, lo:hi] for rank, lo, hi in plan.key_slices(0, plan.seq_len)]
     kv = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)  # (2, B, Hkv, S, D)
     outs, lses = [], []
     for task in plan.tasks:

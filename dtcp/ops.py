@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from . import _compat
+from . import _compat, allgather_traced
 from .allgather import allgather_backward, allgather_forward
 from .allgather_varlen import allgather_varlen_backward, allgather_varlen_forward
 from .allgather_traced import allgather_attention_traced, traced_reason
@@ -312,7 +312,7 @@ _LIB.define(
 
 def compiled_route_key() -> str:
     """The `route` argument of dtcp::ring_attention: the settings its decomposition reads."""
-    from . import __version__, allgather_traced
+    from . import __version__  # defined after dtcp/__init__.py imports this module
 
     if not TRACED_ALLGATHER:
         return f"custom_op;dtcp {__version__}"
