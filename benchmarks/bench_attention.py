@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 import dtcp
 from _setup import init_distributed
-from dtcp import ops
+from dtcp.comm.p2p import NoComm
+from dtcp.exec.ring import ring_backward, ring_forward
+from dtcp.exec.route import CallArgs, route_for
 from dtcp.kernels import default_scale
-from dtcp.ring import NoComm, ring_backward, ring_forward
 
 
 def flops(b, h, s, d, causal, world, with_bwd):
@@ -94,17 +95,18 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode, kv_exc
     gqa = hkv != args.heads
 
     if mode == "ideal":
-        name = dtcp._groups.group_name(None)
-        pg, plan, kernel = ops.prepare(q, k, name, layout.spec(), True, backend, kv_exchange="ring")
         scale = default_scale(args.head_dim)
+        call = CallArgs(dist.group.WORLD.group_name, layout.spec(), True, scale, backend, -1, -1, "ring")
+        route = route_for(q, k, v, call, None, "benchmark ideal")
+        plan, kernel = route.plan, route.kernel
         nocomm = NoComm()
 
         def fwd():
-            return ring_forward(q.detach(), k.detach(), v.detach(), pg, plan, kernel, scale, comm=nocomm)
+            return ring_forward(q.detach(), k.detach(), v.detach(), plan, kernel, scale, nocomm)
 
         def fwd_bwd():
             out, lse = fwd()
-            return ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, pg, plan, kernel, scale, comm=nocomm)
+            return ring_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, plan, kernel, scale, nocomm)
     else:
         def attn(q, k, v):
             return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=gqa, backend=backend,

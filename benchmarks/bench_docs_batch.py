@@ -11,8 +11,8 @@ integration). Prints the plan type and kernel taken.
 """
 import time, torch, torch.distributed as dist
 import dtcp
-from dtcp import ops
-from dtcp.kernels import KERNELS, VarlenSeqs
+from dtcp.exec.route import CallArgs, route_for
+from dtcp.kernels import KERNELS, VarlenSeqs, default_scale
 dist.init_process_group("nccl"); r = dist.get_rank(); n = dist.get_world_size(); torch.cuda.set_device(r)
 dev = torch.device("cuda", r)
 layout = dtcp.Zigzag()
@@ -68,8 +68,9 @@ def check(B, HQ, HKV, S, D):
     out = attn(leaves); out.backward(layout.shard(do, dim=2).bfloat16())
     got = [out.detach()] + [t.grad for t in leaves]
     errs = [rel(x, layout.shard(y, dim=2)) for x, y in zip(got, ref)]
-    _, plan, kernel = ops.prepare(leaves[0], leaves[1], dtcp.api.group_name(dist.group.WORLD), layout.spec(), True,
-                                  "auto", (-1, -1), cu_t, "auto")
+    call = CallArgs(dist.group.WORLD.group_name, layout.spec(), True, default_scale(D), "auto", -1, -1, "auto")
+    route = route_for(*leaves, call, tuple(cu_t.tolist()), "benchmark")
+    plan, kernel = route.plan, route.kernel
     print(f"rank {r} B{B} H{HQ}/{HKV} S{S} D{D} docs/row {[len(c) - 1 for c in rows]} plan {type(plan).__name__} "
           f"kernel {kernel.name}", flush=True)
     for name, e, ow in zip(("out", "dq", "dk", "dv"), errs, own):

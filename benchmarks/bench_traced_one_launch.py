@@ -20,7 +20,6 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import dtcp
-from dtcp import allgather_traced
 
 from _setup import init_distributed
 
@@ -120,7 +119,7 @@ for shape in SHAPES:
     line = f"rank {rank} B{shape[0]} H{shape[1]}/{shape[2]} S{shape[3]} D{shape[4]}:"
     times = {}
     for route, one_launch in (("one-launch", True), ("per-task", False)):
-        allgather_traced.ONE_LAUNCH = one_launch  # part of the op's arguments: compile caches tell them apart
+        dtcp.config.one_launch = one_launch  # part of the op's arguments: compile caches tell them apart
         ops = graph_ops(q, k, v, do)
         torch._dynamo.reset()
         comp = torch.compile(attn, fullgraph=True)
@@ -130,7 +129,7 @@ for shape in SHAPES:
         times[route] = bench(comp, q, k, v, do)
         line += (f"\n  {route:10s} err out/dq/dk/dv " + " ".join(f"{e:.2e}" for e in errs)
                  + f"  max ratio to kernel's own {ratio:.3f}  graph ops {ops}")
-    allgather_traced.ONE_LAUNCH = True
+    dtcp.config.one_launch = True
     times["eager"] = bench(attn, q, k, v, do)
     line += ("\n  kernel's own err " + " ".join(f"{e:.2e}" for e in own)
              + "\n  fwd+bwd ms: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items())

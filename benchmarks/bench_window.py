@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 import dtcp
 from _setup import init_distributed
+from dtcp.exec.merge import merge_into_
 from dtcp.kernels import default_scale, select_kernel
-from dtcp.merge import merge_into_
-from dtcp.ops import _plans
+from dtcp.layouts import Contiguous
+from dtcp.plan import AttnMask, ring_plans
 
 
 def parse():
@@ -164,7 +165,7 @@ def main():
         o.backward(dout)
 
     # what the windowed ring does: plan, kernel, communication
-    plans = _plans(dtcp.Contiguous().spec(), m, n, True, window, None)
+    plans = ring_plans(Contiguous(), m, n, True, AttnMask.make(True, window))
     plan = plans[rank]
     kernel = select_kernel(args.backend, q, k, [t for p in plans for s in p.steps for t in s.tasks])
     dtcp.comm_stats.reset()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import dtcp
 from _setup import init_distributed
 from dtcp.kernels import default_scale, select_kernel
-from dtcp.schedule import Task
+from dtcp.plan import Task
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
 

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from dtcp.kernels import KERNELS, default_scale
-from dtcp.schedule import Task
+from dtcp.plan import Task
 
 BLOCKS = [  # q_len, k_len, lo, hi
     (512, 512, None, None), (512, 512, None, 0), (384, 1024, None, None), (1024, 384, None, None),

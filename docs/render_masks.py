@@ -5,7 +5,7 @@
 
 Rows: the rank's queries; columns: all keys of the sequence (global positions). Each visible
 (query, key) pair is drawn in the colour of the kernel call that computes it; blank pairs are
-never computed. The pictures come from `dtcp.schedule.ring_plans`, the plans the ring runs.
+never computed. The pictures come from `dtcp.plan.ring_plans`, the plans the ring runs.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import argparse
 import os
 
 import dtcp
-from dtcp.ops import segments_from_cu_seqlens
-from dtcp.schedule import AttnMask, ring_plans
+from dtcp.plan import AttnMask, ring_plans, segments_from_cu_seqlens
 
 PATTERNS = ["diagonal (local window)", "full", "window edge (lower-left masked)", "upper-right only", "document piece"]
 CHARS = {None: ".", 0: "D", 1: "F", 2: "E", 3: "U", 4: "d"}

@@ -1,11 +1,17 @@
-"""dtcp: exact, compile-native context-parallel (ring) attention for PyTorch."""
+"""dtcp: exact, compile-native context-parallel attention for PyTorch.
 
+The pipeline, one folder per stage (docs/architecture.md):
+layouts/ -> plan/ -> comm/ + kernels/ -> exec/ -> ops.py -> api.py, frontends/ -> integrations/
+"""
+
+from . import errors
 from .api import flash_attn_varlen_func, ring_attention
-from .comm import STATS as comm_stats
-from .context import context_parallel, context_parallel_unshard, shard_buffers, unshard_buffers
-from .dtensor import distribute_tensor, from_local, full_tensor, layout_placements, redistribute
+from .comm.stats import STATS as comm_stats
+from .config import config
+from .frontends.context import context_parallel, context_parallel_unshard, shard_buffers, unshard_buffers
+from .frontends.dtensor import distribute_tensor, from_local, full_tensor, layout_placements, redistribute
+from .frontends.window import attention_window
 from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
-from .window import attention_window
 
 __all__ = [
     "ring_attention",
@@ -19,6 +25,8 @@ __all__ = [
     "attention_window",
     "layout_from_spec",
     "comm_stats",
+    "config",
+    "errors",
     "context_parallel",
     "context_parallel_unshard",
     "shard_buffers",
@@ -30,4 +38,4 @@ __all__ = [
     "layout_placements",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,9 +1,11 @@
-"""Process-group plumbing: accept a ProcessGroup, a 1-D DeviceMesh or None; name groups so
-they can travel through custom ops as strings."""
+"""Accept a ProcessGroup, a 1-D DeviceMesh, a group name or None wherever dtcp takes a group.
+
+Foundation module: imports nothing from dtcp but `_compat`. Per-group *state* (transport,
+agreement, failure) lives in `dtcp.comm.groups`.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Union
 
 import torch.distributed as dist
@@ -51,24 +53,3 @@ def group_rank(pg: "dist.ProcessGroup") -> int:
 
 def global_rank(pg: "dist.ProcessGroup", rank_in_group: int) -> int:
     return dist.get_global_rank(pg, rank_in_group)
-
-
-_RING_GROUPS: dict = {}
-
-
-def ring_group(pg: "dist.ProcessGroup") -> "dist.ProcessGroup":
-    """The group the ring's point-to-point transfers run on.
-
-    On NCCL this is a clone of `pg` (same ranks) whose NCCL stream has high priority: attention
-    kernels fill every SM, and a transfer on a normal-priority stream gets no SM until the
-    attention kernel drains, so it would not overlap at all. With high priority the NCCL blocks
-    are scheduled as soon as attention blocks retire. The clone is made once per group, by its
-    members only (`use_local_synchronization`), on the first ring call. Set
-    DTCP_HIGH_PRIORITY_RING=0 to run on `pg` itself.
-    """
-    if os.environ.get("DTCP_HIGH_PRIORITY_RING", "1") == "0" or dist.get_backend(pg) != "nccl":
-        return pg
-    key = _compat.name_of_group(pg)
-    if key not in _RING_GROUPS:
-        _RING_GROUPS[key] = _compat.new_high_priority_nccl_group(dist.get_process_group_ranks(pg))
-    return _RING_GROUPS[key]

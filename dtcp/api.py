@@ -1,5 +1,10 @@
-"""Public entry point: `dtcp.ring_attention`, a drop-in for F.scaled_dot_product_attention on
-context-parallel shards."""
+"""The functions: `dtcp.ring_attention` (a drop-in for F.scaled_dot_product_attention on
+context-parallel shards) and `dtcp.flash_attn_varlen_func` (flash-attn's varlen interface).
+
+Each checks its arguments, then makes one call into dtcp.ops. An argument error raises here, naming
+the parameter and the fix, and is also posted to the group's other ranks (dtcp/comm/guard.py), so
+that a rank whose peer made a bad call raises too instead of waiting for it.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,14 @@ from typing import Optional, Union
 
 import torch
 
-from . import ops
-from ._groups import GroupLike, group_name, group_rank, group_size, resolve_group
+from . import _compat, ops
+from ._groups import GroupLike, group_rank, group_size, resolve_group
+from .comm import state_of
+from .exec.route import CallArgs
+from .frontends.window import current_window
 from .kernels import default_scale
-from .schedule import check_kv_exchange
 from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
-from .window import current_window
+from .plan import check_kv_exchange
 
 _DEFAULT_LAYOUT = Zigzag()
 
@@ -38,18 +45,20 @@ def ring_attention(
     Each rank passes its own shard, in `layout` order. The result equals full single-device
     attention over the whole sequence, restricted to this rank's tokens:
     ``layout.unshard(out) == F.scaled_dot_product_attention(full_q, full_k, full_v, ...)``,
-    and so do the gradients of q, k and v.
+    and so do the gradients of q, k and v. Every rank of the group must make the same call (same
+    shapes, layout, mask, scale, ...); if they differ, or one rank fails, every rank raises.
 
     Args:
         q: (B, Hq, S_local, D) this rank's queries.
         k, v: (B, Hkv, S_local, D) this rank's keys and values; Hkv divides Hq (GQA needs
             ``enable_gqa=True``, as in SDPA). K/V travel with Hkv heads.
         group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default group).
-        layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block)).
+        layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
+            dtcp.DocZigzag(doc_lens)).
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
-            "cudnn", "fa2" (flash-attn package), "flex" (flex_attention); see the README's Backends.
+            "cudnn", "fa2" (flash-attn package), "flex" (flex_attention); see docs/backends.md.
         return_lse: also return the log-sum-exp.
         window_size: (left, right) sliding window in flash-attn's convention (query i sees keys
             i - left .. i + right; -1 = unbounded; causal needs right = 0). Default: the window of
@@ -60,38 +69,47 @@ def ring_attention(
             their document, the same documents in every batch row. For rows with their own
             documents (B > 1): the boundaries over the batch flattened row-major, 0 ... B*S, with
             a boundary at every row start b*S (torchtitan's and flash-attn's packed batches).
-            Rows that see no key at all get out 0 and lse 0.
+            Rows that see no key at all get out 0 and lse 0. The values are read once per call (a
+            CUDA tensor costs a device synchronisation; CPU boundaries cost none).
         kv_exchange: how K/V reach the other ranks. "ring": blocks travel around the ring, each
             transfer overlapped with the previous block's kernels (dK/dV travel back the same way);
             the choice for long sequences. "allgather": one all-gather of K/V, one kernel call per
             run of local queries, one reduce-scatter of dK/dV in the backward; no overlap, but a
             handful of operations per call, for short sequences where a ring call is bound by
             host time (contiguous and zigzag layouts). "auto" (default): "allgather" on CUDA when
-            the whole sequence's K/V is at most 16 MiB and the layout allows, else "ring".
-            Both give the same result.
+            the whole sequence's K/V is at most dtcp.config.allgather_max_bytes (16 MiB) and the
+            layout and kernel allow, else "ring". Both give the same result.
 
     Returns:
         out (B, Hq, S_local, D), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
         log, float32 (float64 for float64 inputs). lse is returned detached: it carries no gradient.
     """
     layout = layout_from_spec(layout)
-    _check_inputs(q, k, v, enable_gqa, scale)
     pg = resolve_group(group)
     n = group_size(pg)
-    layout.check(q.shape[2] * n, n)
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    left, right = resolve_window(window_size, layout, is_causal)
-    _check_cu_seqlens(cu_seqlens)
-    if cu_seqlens is not None and isinstance(layout, DocZigzag):
-        raise ValueError(
-            "cu_seqlens: a DocZigzag layout carries its documents (and their padding); pass cu_seqlens=None"
-        )
-    check_kv_exchange(kv_exchange)
-    out, lse = ops.ring_attention_eager_or_op(
-        q, k, v, group_name(pg), layout.spec(), bool(is_causal), float(scale), backend, left, right, cu_seqlens,
-        kv_exchange, rank=group_rank(pg), world_size=n,
-    )
+    try:
+        _check_inputs(q, k, v, enable_gqa, scale)
+        if scale is None:
+            scale = default_scale(q.shape[-1])
+        left, right = resolve_window(window_size, layout, is_causal)
+        _check_cu_seqlens(cu_seqlens)
+        check_kv_exchange(kv_exchange)
+        if isinstance(layout, DocZigzag):
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: a DocZigzag layout carries its documents (and their padding); "
+                                 "pass cu_seqlens=None")
+            # Only the layout's boundaries tensor reaches the op (and torch.compile's graph): a new
+            # document structure every batch is a new input, not a new graph. The op checks the
+            # padded length against the values.
+            layout_spec, cu_seqlens = "doczigzag", layout.cu_seqlens
+        else:
+            layout.check(q.shape[2] * n, n)
+            layout_spec = layout.spec()
+    except (ValueError, TypeError) as e:
+        _tell_peers(pg, n, e)
+        raise
+    args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right, kv_exchange)
+    out, lse = ops.attention(q, k, v, args, cu_seqlens, group_rank(pg), n)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -118,7 +136,7 @@ def flash_attn_varlen_func(
         cu_seqlens: (num_docs + 1,) int32 global document boundaries of the whole packed
             sequence (one tensor for q and k: this is self-attention); None with a DocZigzag
             layout, which carries its documents.
-        max_seqlen: accepted for flash-attn compatibility and not needed (the schedule reads
+        max_seqlen: accepted for flash-attn compatibility and not needed (the planner reads
             the boundaries themselves).
         causal, window_size, softmax_scale: as in flash-attn (window (left, right), -1 unbounded).
         group, layout, backend, kv_exchange: as in `ring_attention`; the default layout is
@@ -127,12 +145,17 @@ def flash_attn_varlen_func(
     Returns:
         out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, head_dim) tensor; got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 1):
-        raise TypeError(f"max_seqlen must be a positive int or None; got {max_seqlen!r}")
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, head_dim) tensor; got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 1):
+            raise TypeError(f"max_seqlen must be a positive int or None; got {max_seqlen!r}")
+    except (ValueError, TypeError) as e:
+        pg = resolve_group(group)
+        _tell_peers(pg, group_size(pg), e)
+        raise
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, lse = ring_attention(
         q4, k4, v4, group, layout=layout, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
@@ -159,6 +182,13 @@ def resolve_window(window_size, layout: Layout, is_causal: bool) -> tuple[int, i
             f"use window_size=({window[0]}, 0) for a causal sliding window, or is_causal=False"
         )
     return window
+
+
+def _tell_peers(pg, world_size: int, error: Exception) -> None:
+    """Post this rank's argument error to the group's other ranks (they raise PeerFailedError where
+    they wait for this call) — not while tracing a graph, whose errors end the compile."""
+    if world_size > 1 and not torch.compiler.is_compiling():
+        state_of(pg).guard.agree("dtcp.ring_attention", {}, status=f"{type(error).__name__}: {error}")
 
 
 def _check_cu_seqlens(cu_seqlens) -> None:

@@ -1,240 +1,66 @@
-"""`torch.library` custom ops around the ring, with fake (meta) implementations and autograd,
-so `torch.compile(fullgraph=True)` traces callers without graph breaks. The ring's
-communication and kernels run inside the ops, opaque to the compiler, which is what keeps the
-transfer/compute overlap intact in compiled code.
+"""`torch.library` ops around the executors: definitions, fake implementations and autograd, so
+that `torch.compile(fullgraph=True)` traces callers without graph breaks.
 
-The process group travels by name and the layout by its spec string (see Layout.spec).
+Three ways a call runs (`attention` picks):
+* **compiled** (under torch.compile): `dtcp::ring_attention`, a CompositeImplicitAutograd op that
+  tracing decomposes. Where the all-gather schedule applies in traceable form (static shapes, no
+  documents, a traceable kernel: dtcp/exec/traced.py) the graph gets its functional collectives and
+  attention ops; everywhere else (the ring, windows, documents, dynamic shapes) it gets the custom
+  op `dtcp::ring_attention_forward`, whose communication and kernels run inside, opaque to the
+  compiler, which keeps the transfer/compute overlap intact.
+* **eager fast path** (plain tensors, no mode or transform active): an autograd.Function that calls
+  the same executors (a custom op call costs ~0.4 ms of host time per layer at small shapes).
+* **custom op** (fake tensors, subclasses, modes, vmap): `dtcp::ring_attention_forward` /
+  `_backward` directly.
+
+All three read `cu_seqlens` values once per call and give identical results. The process group
+travels by name, the layout by its spec string.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from functools import lru_cache
-from typing import Optional, Union
-import weakref
+import hashlib
+import inspect
+import os
+import sys
+import types
+import warnings
+from typing import Optional
 
 import torch
 
-from . import _compat, allgather_traced
-from .allgather import allgather_backward, allgather_forward
-from .allgather_varlen import allgather_varlen_backward, allgather_varlen_forward
-from .allgather_traced import allgather_attention_traced, traced_reason
-from .kernels import acc_dtype, select_kernel
-from .layouts import DocZigzag, layout_from_spec
-from .ring import ring_backward, ring_forward
-from .schedule import (
-    AllGatherPlan, AttnMask, RingPlan, VarlenPlan, allgather_plans, choose_kv_exchange, ring_plans, varlen_reason,
-    varlen_window,
-)
+from . import _compat
+from .config import config
+from .exec.route import CallArgs, route_for, run_backward, run_forward
+from .exec.traced import allgather_attention_traced, traced_reason
+from .kernels import acc_dtype
+from .plan import AllGatherPlan
+
+_TAGS = _compat.cudagraph_unsafe_tags()
 
 
-@lru_cache(maxsize=512)
-def _plans(
-    layout_spec: str, local_len: int, world_size: int, is_causal: bool,
-    window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[tuple[int, ...]] = None,
-    kv_exchange: str = "ring",
-) -> tuple[Union[RingPlan, AllGatherPlan], ...]:
-    """Every rank's plan; kv_exchange is "ring" or "allgather" (already resolved)."""
-    layout = layout_from_spec(layout_spec)
-    seq_len = local_len * world_size
-    segments = None
-    if cu_seqlens is not None:
-        segments = segments_from_cu_seqlens(cu_seqlens, seq_len)
-    elif isinstance(layout, DocZigzag):
-        segments = layout.segments(world_size)  # the layout carries its documents
-    mask = AttnMask.make(is_causal, window, segments)
-    if kv_exchange == "allgather":
-        return allgather_plans(layout, local_len, world_size, is_causal, mask)
-    return ring_plans(layout, local_len, world_size, is_causal, mask)
-
-
-def row_cu_seqlens(cu: tuple[int, ...], batch: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
-    """Each batch row's document boundaries (0, ..., S) from `cu_seqlens` values: boundaries of
-    the sequence, shared by every row (ending at S), or, for a batch of B > 1 rows with their
-    own documents, boundaries over the batch flattened row-major (ending at B*S, with a boundary
-    at every row start b*S: documents do not cross rows; torchtitan's and flash-attn's packed
-    batches). Checks the values."""
-    if batch > 1 and len(cu) >= 2 and cu[0] == 0 and cu[-1] == batch * seq_len:
-        segments_from_cu_seqlens(cu, batch * seq_len)  # checks the flattened boundaries never decrease
-        rows = []
-        for b in range(batch):
-            lo, hi = b * seq_len, (b + 1) * seq_len
-            inside = [c - lo for c in cu if lo <= c <= hi]
-            if inside[0] != 0:
-                raise ValueError(
-                    f"cu_seqlens ends at B*S = {batch}x{seq_len}, so it gives each batch row its own documents over "
-                    f"the flattened batch; then every row start b*S must be a boundary, and {lo} (row {b}) is not: "
-                    "a document crosses rows. Split it at the row start"
-                )
-            rows.append(tuple(inside))
-        return tuple(rows)
-    segments_from_cu_seqlens(cu, seq_len, batch)  # checks; raises with the fix
-    return (cu,) * batch
-
-
-def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int, batch: int = 1) -> tuple[tuple[int, int], ...]:
-    """Document ranges from cumulative lengths; checks them (empty documents are allowed: a
-    repeated boundary, as in cu_seqlens padded to a fixed size)."""
-    fix = "cu_seqlens must be the global document boundaries of the packed sequence: 0 = c0 <= c1 <= ... <= cn = S"
-    if len(cu) < 2:
-        raise ValueError(f"{fix}; got {len(cu)} value(s). One document: torch.tensor([0, S], dtype=torch.int32)")
-    if cu[0] != 0:
-        raise ValueError(f"{fix}; it starts at {cu[0]}, not 0")
-    if cu[-1] != seq_len:
-        per_row = f" (or B*S = {batch * seq_len}, each batch row with its own documents)" if batch > 1 else ""
-        raise ValueError(
-            f"{fix}{per_row}; it ends at {cu[-1]} but the sequence has S = {seq_len} tokens (S_local x world "
-            "size). Pass the boundaries of the whole packed sequence, not of this rank's shard"
-        )
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(f"{fix}; it decreases at index {i} ({cu[i - 1]} -> {cu[i]})")
-    return tuple((a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a)
-
-
-# The values of the last few cu_seqlens tensors seen: a model passes one tensor to every layer,
-# forward and backward, and reading a CUDA tensor's values waits for the GPU.
-_CU_VALUES: list = []
-
-
-def _cu_tuple(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
-    if cu_seqlens is None:
-        return None
-    for ref, version, values in _CU_VALUES:
-        if ref() is cu_seqlens and cu_seqlens._version == version:
-            return values
-    values = tuple(int(c) for c in cu_seqlens.tolist())
-    _CU_VALUES.insert(0, (weakref.ref(cu_seqlens), cu_seqlens._version, values))
-    del _CU_VALUES[4:]
-    return values
-
-
-def prepare(q, k, group_name: str, layout: str, is_causal: bool, backend: str,
-            window: tuple[int, int] = (-1, -1), cu_seqlens: Optional[torch.Tensor] = None,
-            kv_exchange: str = "auto") -> tuple:
-    """(process group, this rank's plan, kernel). The plan is a RingPlan or an AllGatherPlan
-    (kv_exchange, resolved the same way on every rank: from shapes, layout and device only), a
-    VarlenPlan (the all-gather schedule under documents, as one varlen kernel call), or a tuple
-    of one plan per batch row (rows with their own documents that no varlen call serves). The
-    kernel is chosen against every rank's tasks so that all ranks use the same one."""
-    pg = _compat.group_from_name(group_name)
-    n, r = pg.size(), pg.rank()
-    cu = _cu_tuple(cu_seqlens)
-    key = (layout, tuple(q.shape), tuple(k.shape), k.dtype, q.device.type, n, r, is_causal, tuple(window), cu,
-           kv_exchange, backend)
-    route = _ROUTES.get(key)
-    if route is None:
-        if len(_ROUTES) >= 256:
-            _ROUTES.clear()
-        route = _ROUTES[key] = _route(q, k, layout, n, r, is_causal, tuple(window), cu, kv_exchange, backend)
-    return (pg,) + route
-
-
-# (plan, kernel) per call signature: plans are built once, and a VarlenPlan keeps its identity
-# (allgather_varlen caches its index tensors per plan object).
-_ROUTES: dict[tuple, tuple] = {}
-
-
-def _route(q, k, layout: str, n: int, r: int, is_causal: bool, window, cu, kv_exchange: str, backend: str):
-    local_len, batch = q.shape[2], q.shape[0]
-    gathered_kv_bytes = 2 * k.numel() * k.element_size() * n
-    exchange = choose_kv_exchange(kv_exchange, layout_from_spec(layout), local_len, n, q.device.type,
-                                  gathered_kv_bytes)
-    row_cus = (None,) if cu is None else row_cu_seqlens(cu, batch, local_len * n)
-    distinct = list(dict.fromkeys(row_cus))
-    row_plans = {c: _plans(layout, local_len, n, is_causal, window, c, exchange) for c in distinct}
-    all_tasks = [task for plans in row_plans.values() for plan in plans for task in _tasks_of(plan)]
-    per_row = len(distinct) > 1
-    if exchange == "allgather" and cu is not None:
-        # Documents under the all-gather schedule: one varlen call for the whole batch where a
-        # kernel takes it in one launch, and for rows with their own documents (instead of a
-        # loop over rows) with any kernel that takes varlen calls.
-        kernel = select_kernel(backend, q, k, all_tasks, prefer_varlen=True)
-        window_br = varlen_window(AttnMask.make(is_causal, window))
-        plan = VarlenPlan(tuple(row_plans[c][r] for c in row_cus), window_br)
-        if (kernel.supports_varlen and (per_row or kernel.varlen_one_launch) and plan.rows_tiled
-                and varlen_reason(all_tasks, window_br) is None):
-            return plan, kernel
-    else:
-        kernel = select_kernel(backend, q, k, all_tasks)
-    if per_row:
-        return tuple(row_plans[c][r] for c in row_cus), kernel
-    return row_plans[distinct[0]][r], kernel
-
-
-def _tasks_of(plan) -> list:
-    if isinstance(plan, AllGatherPlan):
-        return list(plan.tasks)
-    return [task for step in plan.steps for task in step.tasks]
-
-
-def _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right, cu_seqlens,
-                 kv_exchange="auto", keep=False):
-    """(out, lse, kept): kept is what the backward may reuse (the all-gather schedule's gathered
-    K/V) when `keep`, else None."""
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
-                               kv_exchange)
-    with _on_device_of(q):
-        return _forward_with(plan, q, k, v, pg, kernel, scale, keep)
-
-
-def _forward_with(plan, q, k, v, pg, kernel, scale, keep):
-    if isinstance(plan, VarlenPlan):
-        return allgather_varlen_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
-    if isinstance(plan, AllGatherPlan):
-        return allgather_forward(q, k, v, pg, plan, kernel, scale, keep_kv=keep)
-    if isinstance(plan, RingPlan):
-        return ring_forward(q, k, v, pg, plan, kernel, scale) + (None,)
-    # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
-    # the same calls in the same order on every rank
-    rows = [_forward_with(p, q[b:b + 1], k[b:b + 1], v[b:b + 1], pg, kernel, scale, keep) for b, p in enumerate(plan)]
-    return (torch.cat([o for o, _, _ in rows]), torch.cat([lse for _, lse, _ in rows]),
-            [kept for _, _, kept in rows] if keep else None)
-
-
-def _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
-                  window_left, window_right, cu_seqlens, kv_exchange="auto", kept=None):
-    pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), cu_seqlens,
-                               kv_exchange)
-    with _on_device_of(q):
-        return _backward_with(plan, dout, q, k, v, out, lse, pg, kernel, scale, kept)
-
-
-def _backward_with(plan, dout, q, k, v, out, lse, pg, kernel, scale, kept):
-    if isinstance(plan, VarlenPlan):
-        return allgather_varlen_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
-    if isinstance(plan, AllGatherPlan):
-        return allgather_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale, kv=kept)
-    if isinstance(plan, RingPlan):
-        return ring_backward(dout, q, k, v, out, lse, pg, plan, kernel, scale)
-    grads = [
-        _backward_with(p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), pg, kernel, scale,
-                       None if kept is None else kept[b])
-        for b, p in enumerate(plan)
-    ]
-    return tuple(torch.cat(g) for g in zip(*grads))
-
-
-def _on_device_of(t: torch.Tensor):
-    """The ring's streams and driver calls act on the current CUDA device: make it t's."""
-    if t.device.type == "cuda" and torch.cuda.current_device() != t.device.index:
-        return torch.cuda.device(t.device)
-    return nullcontext()
+def _cu_values(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
+    """The boundaries' current values, read here, once per call (a CUDA tensor costs one device
+    synchronisation: pass CPU boundaries to avoid it)."""
+    return None if cu_seqlens is None else tuple(cu_seqlens.tolist())
 
 
 # window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
-# document boundaries or None. Both default to "no window, one document". kv_exchange: "auto",
-# "ring" or "allgather" (see schedule.choose_kv_exchange).
-@torch.library.custom_op("dtcp::ring_attention_forward", mutates_args=())
-def ring_attention_forward(
+# document boundaries or None. kv_exchange: "auto", "ring" or "allgather" (dtcp/plan/exchange.py).
+def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
     kv_exchange: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse, _ = _run_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                               cu_seqlens, kv_exchange)
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
+    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward")
+    out, lse, _ = run_forward(route, q, k, v, scale)
     return out, lse
+
+
+ring_attention_forward = torch.library.custom_op("dtcp::ring_attention_forward", _forward_impl, mutates_args=(),
+                                                 tags=_TAGS)
 
 
 @ring_attention_forward.register_fake
@@ -244,15 +70,16 @@ def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, wi
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("dtcp::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("dtcp::ring_attention_backward", mutates_args=(), tags=_TAGS)
 def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
     kv_exchange: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_backward(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend,
-                         window_left, window_right, cu_seqlens, kv_exchange)
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
+    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention backward")
+    return run_backward(route, dout, q, k, v, out, lse, scale)
 
 
 @ring_attention_backward.register_fake
@@ -261,26 +88,28 @@ def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, wi
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-# Defaults of the op's arguments after q, k, v (group_name .. kv_exchange), to fill in what a
-# caller left out.
-_OP_DEFAULTS = (None, None, None, None, None, -1, -1, None, "auto")
+# The forward op's arguments by name (defaults filled in), whatever the caller left out.
+_FORWARD_SIGNATURE = inspect.signature(_forward_impl)
+_OP_ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)[3:]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs
+    bound = _FORWARD_SIGNATURE.bind(*inputs)
+    bound.apply_defaults()
+    named = bound.arguments
     out, lse = output
-    ctx.num_args = len(args)
-    args = list(args) + list(_OP_DEFAULTS[len(args):])
-    ctx.save_for_backward(q, k, v, out, lse, args[7])
-    ctx.args = tuple(args[:7])
-    ctx.kv_exchange = args[8]
+    cu = named["cu_seqlens"]
+    # A private copy: a boundaries buffer the caller rewrites before the backward (a reused loader
+    # buffer) must not change the backward's mask.
+    ctx.save_for_backward(named["q"], named["k"], named["v"], out, lse, None if cu is None else cu.clone())
+    ctx.args = {name: named[name] for name in _OP_ARG_NAMES if name != "cu_seqlens"}
+    ctx.num_args = len(inputs) - 3
 
 
 def _backward(ctx, dout, dlse):
     # lse is handed to users detached (see api.ring_attention), so dlse carries nothing.
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args, cu_seqlens=cu_seqlens,
-                                         kv_exchange=ctx.kv_exchange)
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens, **ctx.args)
     return (dq, dk, dv) + (None,) * ctx.num_args
 
 
@@ -288,21 +117,12 @@ ring_attention_forward.register_autograd(_backward, setup_context=_setup_context
 
 
 # ---- the compiled route --------------------------------------------------------------------------
-# Under torch.compile, calls go through `dtcp::ring_attention`, a CompositeImplicitAutograd op:
-# tracing decomposes it, so what it returns decides what the graph holds. Where the all-gather
-# schedule applies in traceable form (allgather_traced.traced_reason), the graph gets its
-# functional collectives and attention ops, compiled like the rest of the model; everywhere else
-# it gets the custom op above, as before. TRACED_ALLGATHER = False keeps every call on the custom
-# op; allgather_traced.ONE_LAUNCH = False keeps the traced route at one kernel call per task.
-TRACED_ALLGATHER = True
-
 _LIB = torch.library.Library("dtcp", "FRAGMENT")
 # `rank`, `world_size` and `route` are arguments although the op could look them up: what the
 # decomposition emits depends on them (this rank's kernel calls are constants of its graph), and
 # torch.compile's caches (dynamo's, and inductor's and AOT autograd's on disk) key on the graph
-# *before* decomposition. With them in the call, each rank, group size, route setting and dtcp
-# version has its own cache entry (without them, ranks shared one: wrong results from a warm
-# cache, seen on CPU; and a switched route setting silently reused the other route's graph).
+# *before* decomposition. With them in the call, each rank, group size, route setting and version
+# of dtcp's source has its own cache entry.
 _LIB.define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
     "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, int rank, "
@@ -310,25 +130,42 @@ _LIB.define(
 )
 
 
-def compiled_route_key() -> str:
-    """The `route` argument of dtcp::ring_attention: the settings its decomposition reads."""
-    from . import __version__  # defined after dtcp/__init__.py imports this module
+def _source_digest(root: Optional[str] = None) -> str:
+    """A digest of dtcp's source files (the package at `root`, by default this one): the compiled
+    route key changes whenever the code that the decomposition runs changes, not only when the
+    version string does."""
+    root = root or os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha1()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
 
-    if not TRACED_ALLGATHER:
-        return f"custom_op;dtcp {__version__}"
-    return f"traced{'+one_launch' if allgather_traced.ONE_LAUNCH else ''};dtcp {__version__}"
+
+SOURCE_DIGEST = _source_digest()
+
+
+def compiled_route_key() -> str:
+    """The `route` argument of dtcp::ring_attention: the settings its decomposition reads, and the
+    digest of the source that reads them."""
+    if not config.traced_allgather:
+        return f"custom_op;src {SOURCE_DIGEST}"
+    return f"traced{'+one_launch' if config.one_launch else ''};src {SOURCE_DIGEST}"
 
 
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
                               cu_seqlens, kv_exchange, rank, world_size, route):
-    if route.startswith("traced") and cu_seqlens is None:
-        pg, plan, kernel = prepare(q, k, group_name, layout, is_causal, backend, (window_left, window_right), None,
-                                   kv_exchange)
-        if (plan.rank, plan.world_size) != (rank, world_size):
+    # Symbolic shapes (dynamic sequence lengths, batch sizes) take the custom op: its real
+    # implementation sees concrete shapes at run time, and no plan or cache key holds a SymInt.
+    if route.startswith("traced") and cu_seqlens is None and _compat.all_concrete(q.shape, k.shape, v.shape):
+        args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
+        planned = route_for(q, k, v, args, None, "dtcp.ring_attention (compiled)")
+        if (planned.rank, planned.world_size) != (rank, world_size):
             raise RuntimeError(f"dtcp::ring_attention traced for rank {rank} of {world_size} runs on rank "
-                               f"{plan.rank} of {plan.world_size}")
-        if isinstance(plan, AllGatherPlan) and traced_reason(plan, kernel, q) is None:
-            return allgather_attention_traced(q, k, v, pg, plan, kernel, scale)
+                               f"{planned.rank} of {planned.world_size}")
+        if isinstance(planned.plan, AllGatherPlan) and traced_reason(planned.plan, planned.kernel, q) is None:
+            return allgather_attention_traced(q, k, v, planned.comm_group(), planned.plan, planned.kernel, scale)
     return ring_attention_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
                                   cu_seqlens, kv_exchange)
 
@@ -337,24 +174,18 @@ _LIB.impl("ring_attention", _ring_attention_composite, "CompositeImplicitAutogra
 
 
 # ---- eager fast path ---------------------------------------------------------------------------
-# A custom op call costs about 0.4 ms of host time per attention layer (forward + backward,
-# measured on the H200 hosts at torchtitan's debug-model shapes, where the whole ring step is
-# ~2 ms of host time). Outside torch.compile, with plain tensors and no dispatch mode or functorch
-# transform active, the same ring runs through this autograd.Function instead; everything else
-# (tracing, fake tensors, subclasses, modes, vmap) goes through the custom op. Both call
-# prepare/ring_forward/ring_backward with the same arguments, so the results are identical.
-EAGER_FAST_PATH = True
+class _AttentionEager(torch.autograd.Function):
+    """The custom op's forward and backward without the op's dispatch (see the module docstring).
+    The backward runs the forward's own route: the same plan even if `cu_seqlens` changed since."""
 
-
-class _RingAttentionEager(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, args: CallArgs, cu_seqlens):
+        route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward")
         # When a backward will follow, keep the all-gather schedule's gathered K/V for it (one
-        # collective and its reordering fewer per layer; see allgather.py for the memory).
-        out, lse, kept = _run_forward(q, k, v, *args, keep=any(ctx.needs_input_grad[:3]))
+        # collective and its reordering fewer per layer; dtcp/exec/allgather.py for the memory).
+        out, lse, kept = run_forward(route, q, k, v, args.scale, keep=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kept = kept
-        ctx.args = args
+        ctx.route, ctx.kept, ctx.scale = route, kept, args.scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -362,16 +193,42 @@ class _RingAttentionEager(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None  # released as soon as it is used
-        return _run_backward(dout, q, k, v, out, lse, *ctx.args, kept=kept) + (None,) * len(ctx.args)
+        grads = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, kept=kept)
+        return grads + (None, None)
 
 
-def ring_attention_eager_or_op(q, k, v, *args, rank: int = 0, world_size: int = 1):
-    """ring_attention_forward's (out, lse): under torch.compile through the compiled route, in
-    plain eager calls through the eager fast path, else (fake tensors, modes, subclasses, vmap)
-    through the custom op. `args` are all of the op's arguments after q, k, v (group_name ..
-    kv_exchange); rank and world_size are this process's in the group (the compiled route's)."""
+def attention(q, k, v, args: CallArgs, cu_seqlens: Optional[torch.Tensor], rank: int, world_size: int):
+    """(out, lse) of one call: compiled route, eager fast path or custom op (module docstring)."""
+    op_args = (args.group_name, args.layout, args.is_causal, args.scale, args.backend, args.window_left,
+               args.window_right, cu_seqlens, args.kv_exchange)
     if torch.compiler.is_compiling():
-        return torch.ops.dtcp.ring_attention(q, k, v, *args, rank, world_size, compiled_route_key())
-    if EAGER_FAST_PATH and _compat.plain_eager_call(q, k, v, args[7]):
-        return _RingAttentionEager.apply(q, k, v, *args)
-    return ring_attention_forward(q, k, v, *args)
+        return torch.ops.dtcp.ring_attention(q, k, v, *op_args, rank, world_size, compiled_route_key())
+    if config.eager_fast_path and _compat.plain_eager_call(q, k, v, cu_seqlens):
+        return _AttentionEager.apply(q, k, v, args, cu_seqlens)
+    return ring_attention_forward(q, k, v, *op_args)
+
+
+# ---- switches that moved to dtcp.config -----------------------------------------------------------
+class _OpsModule(types.ModuleType):
+    """dtcp.ops.TRACED_ALLGATHER and dtcp.ops.EAGER_FAST_PATH (dtcp 0.1) still work, with a
+    DeprecationWarning: they read and set dtcp.config.traced_allgather / eager_fast_path."""
+
+    _MOVED = {"TRACED_ALLGATHER": "traced_allgather", "EAGER_FAST_PATH": "eager_fast_path"}
+
+    def __getattr__(self, name):
+        if name in _OpsModule._MOVED:
+            warnings.warn(f"dtcp.ops.{name} is deprecated: use dtcp.config.{_OpsModule._MOVED[name]}",
+                          DeprecationWarning, stacklevel=2)
+            return getattr(config, _OpsModule._MOVED[name])
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in _OpsModule._MOVED:
+            warnings.warn(f"dtcp.ops.{name} is deprecated: set dtcp.config.{_OpsModule._MOVED[name]}",
+                          DeprecationWarning, stacklevel=2)
+            setattr(config, _OpsModule._MOVED[name], value)
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _OpsModule

@@ -11,13 +11,19 @@ import torch.distributed as dist
 import dtcp
 from dist_harness import run_ranks
 from dtcp.comm import STATS
-from dtcp.schedule import (
-    ALLGATHER_AUTO_MAX_BYTES,
+from dtcp.plan import (
     AttnMask,
     allgather_plans,
     allgather_reason,
-    choose_kv_exchange,
+    exchange_candidates,
 )
+
+ALLGATHER_AUTO_MAX_BYTES = dtcp.config.allgather_max_bytes
+
+
+def choose_kv_exchange(*args):
+    """The exchange auto tries first (the ring is always its fallback)."""
+    return exchange_candidates(*args, ALLGATHER_AUTO_MAX_BYTES)[0]
 from reference import rel_err
 from test_compile import compiled_vs_eager
 from test_ring import ring_errors
@@ -167,20 +173,15 @@ def test_allgather_documents(cu, layout, window, is_causal):
 # ---- what travels --------------------------------------------------------------------------------
 
 def allgather_traffic(kv_exchange, fast_path=True):
-    from dtcp import ops
-
     n = dist.get_world_size()
     q = torch.randn(1, 4, 8, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
-    ops.EAGER_FAST_PATH = fast_path
-    try:
+    with dtcp.config.override(eager_fast_path=fast_path):
         STATS.reset()
         out = dtcp.ring_attention(q, k, v, is_causal=True, enable_gqa=True, kv_exchange=kv_exchange)
         fwd = (STATS.kv_rounds, STATS.kv_bytes_sent)
         out.sum().backward()
-    finally:
-        ops.EAGER_FAST_PATH = True
     kv_bytes = 2 * k.numel() * k.element_size()
     return {"fwd": fwd, "total": (STATS.kv_rounds, STATS.kv_bytes_sent, STATS.grad_rounds, STATS.grad_bytes_sent),
             "kv_bytes": kv_bytes, "n": n}

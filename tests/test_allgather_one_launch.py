@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 import dtcp
 from dist_harness import run_ranks
-from dtcp import allgather_traced
-from dtcp.allgather_traced import PackedTasks, allgather_attention_traced_one_launch
+from dtcp.exec import traced as allgather_traced
+from dtcp.exec.traced import PackedTasks, allgather_attention_traced_one_launch
 from dtcp.layouts import layout_from_spec
-from dtcp.schedule import allgather_plans
+from dtcp.plan import allgather_plans
 from reference import reference_attention, rel_err
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
@@ -150,8 +150,8 @@ def compiled_one_launch_vs_eager(compile_backend):
         return dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, enable_gqa=True, backend="math",
                                    return_lse=True, kv_exchange="allgather")
 
-    saved = allgather_traced._one_launch_reason, allgather_traced.flash_varlen_differentiable
-    allgather_traced._one_launch_reason = lambda plan, kernel, q: None if len(plan.tasks) > 1 else "one task"
+    saved = allgather_traced.one_launch_reason, allgather_traced.flash_varlen_differentiable
+    allgather_traced.one_launch_reason = lambda plan, kernel, q: None if len(plan.tasks) > 1 else "one task"
     allgather_traced.flash_varlen_differentiable = counting_varlen
     # The patched route is invisible to the op's route key: keep compile caches out of it.
     no_caches = (torch._inductor.config.patch(fx_graph_cache=False),
@@ -173,7 +173,7 @@ def compiled_one_launch_vs_eager(compile_backend):
     finally:
         for c in no_caches:
             c.__exit__(None, None, None)
-        allgather_traced._one_launch_reason, allgather_traced.flash_varlen_differentiable = saved
+        allgather_traced.one_launch_reason, allgather_traced.flash_varlen_differentiable = saved
         torch._dynamo.reset()
     return {"err": max(rel_err(a, b) for a, b in zip(*res)), "frames": counter.frame_count,
             "graph_breaks": sum(counters["graph_break"].values()), "varlen_calls": traced_calls, "n": n}
@@ -190,26 +190,18 @@ def test_one_launch_compiled_equals_eager(backend):
 def test_one_launch_is_flash_on_cuda_only():
     from dtcp.kernels import KERNELS
 
+    class CudaLike:  # what one_launch_reason reads of q
+        device = torch.device("cuda")
+
     plan = allgather_plans(dtcp.Zigzag(), 8, 2, True)[0]
+    assert len(plan.tasks) == 2
     q = torch.zeros(1, 2, 8, 8)
-    assert allgather_traced._one_launch_reason(plan, KERNELS["math"], q) is not None
-    assert allgather_traced._one_launch_reason(plan, KERNELS["flash"], q) is not None  # a CPU tensor
+    assert allgather_traced.one_launch_reason(plan, KERNELS["flash"], CudaLike()) is None  # flash on CUDA: taken
+    assert allgather_traced.one_launch_reason(plan, KERNELS["math"], q) is not None
+    assert allgather_traced.one_launch_reason(plan, KERNELS["math"], CudaLike()) is not None
+    assert allgather_traced.one_launch_reason(plan, KERNELS["flash"], q) is not None  # a CPU tensor
+    with dtcp.config.override(one_launch=False):
+        assert allgather_traced.one_launch_reason(plan, KERNELS["flash"], CudaLike()) is not None
     one_task = allgather_plans(dtcp.Contiguous(), 8, 2, True)[0]
     assert len(one_task.tasks) == 1
-
-
-def test_route_settings_reach_the_compile_caches():
-    """What the decomposition reads is in the op's arguments, so compile caches (which key on the
-    graph before decomposition) never hand one setting's graph to another."""
-    from dtcp import ops
-
-    keys = set()
-    for traced in (True, False):
-        for one_launch in (True, False):
-            ops.TRACED_ALLGATHER, allgather_traced.ONE_LAUNCH = traced, one_launch
-            try:
-                keys.add(ops.compiled_route_key())
-            finally:
-                ops.TRACED_ALLGATHER, allgather_traced.ONE_LAUNCH = True, True
-    assert len(keys) == 3  # custom op; traced; traced + one launch
-    assert all(dtcp.__version__ in k for k in keys)
+    assert allgather_traced.one_launch_reason(one_task, KERNELS["flash"], CudaLike()) is not None

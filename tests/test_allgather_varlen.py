@@ -13,9 +13,18 @@ import torch
 
 import dtcp
 from dist_harness import run_ranks
-from dtcp import ops
-from dtcp.kernels import KERNELS, window_band
-from dtcp.schedule import AttnMask, Task, VarlenPlan, allgather_plans, varlen_reason, varlen_window
+from dtcp.exec.route import CallArgs, clear_routes, route_for
+from dtcp.kernels import KERNELS, default_scale
+from dtcp.plan import AttnMask, Band, Task, VarlenPlan, allgather_plans, varlen_reason
+
+
+def varlen_window(mask):
+    return mask.band.window
+
+
+def window_band(q_len, k_len, window):
+    band = Band.from_aligned_window(q_len, k_len, window)
+    return band.lo, band.hi
 from reference import reference_attention, rel_err, window_doc_mask
 from test_window_varlen import assert_exact, sharded_errors
 
@@ -116,17 +125,19 @@ def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 
     try:
         if one_launch:
             kernel.varlen_one_launch = True  # the route a one-launch kernel (CUDA flash) takes
-        ops._ROUTES.clear()
+        clear_routes()
         out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv,
                                        backend=backend, return_lse=True, window_size=window, cu_seqlens=cu,
                                        kv_exchange=kv_exchange)
         out.backward(layout.shard(dout, dim=2))
-        _, plan, _ = ops.prepare(local[0], local[1], dtcp.api.group_name(dist.group.WORLD), layout.spec(), is_causal,
-                                 backend, window or (-1, -1), cu, kv_exchange)
+        scale = default_scale(d)
+        args = CallArgs(dist.group.WORLD.group_name, layout.spec(), is_causal, scale, backend,
+                        *(window or (-1, -1)), kv_exchange)
+        plan = route_for(local[0], local[1], local[2], args, tuple(cu.tolist()), "test").plan
     finally:
         if kernel is not None:
             kernel.varlen_one_launch = saved
-        ops._ROUTES.clear()
+        clear_routes()
     # fresh contiguous outputs and gradients, as the ops' fake implementations promise (inductor
     # checks the strides of custom op outputs against them)
     for name, t in (("out", out), ("lse", lse), ("dq", local[0].grad), ("dk", local[1].grad), ("dv", local[2].grad)):

@@ -6,9 +6,10 @@ inside a custom op as the ring runs it. The kernels themselves run on GPUs only
 import pytest
 import torch
 
-from dtcp import kernels_optional
-from dtcp.kernels import KERNELS, _band_mask_cpu
-from dtcp.merge import merge_into_
+from dtcp.exec.merge import merge_into_
+from dtcp.kernels import KERNELS
+from dtcp.kernels import flex as kernels_optional
+from dtcp.kernels.base import _band_mask_cpu
 
 BANDS = [(None, 0), (-200, 450), (-500, 0), (None, 300), (3, 100), (-1000, -1)]
 

@@ -101,7 +101,7 @@ def test_layout_errors_without_process_group():
 
 def test_cudnn_refuses_single_token_blocks():
     from dtcp.kernels import KERNELS
-    from dtcp.schedule import Task
+    from dtcp.plan import Task
 
     class FakeCuda:  # only what reject_reason reads
         device = torch.device("cuda")
@@ -117,7 +117,7 @@ def test_flash_kernels_refuse_bands_flash_would_drop():
     """FA2 treats window_size_right >= seqlen_k as unbounded (700x300 band (-500, 0) came out
     wrong on H200 with torch's flash and flash-attn 2.8.3): such tasks must go to another kernel."""
     from dtcp.kernels import flash_band_reason
-    from dtcp.schedule import Task
+    from dtcp.plan import Task
 
     why = flash_band_reason([Task(0, 700, 0, 300, -500, 0)], "flash")
     assert why is not None and "drops a right window" in why
@@ -128,12 +128,9 @@ def test_flash_kernels_refuse_bands_flash_would_drop():
 
 def fast_path_vs_op(layout_spec, kv_exchange="auto"):
     """The eager fast path and the custom op give bit-identical out, lse and gradients."""
-    from dtcp import ops
-
     results = []
     for fast in (True, False):
-        ops.EAGER_FAST_PATH = fast
-        try:
+        with dtcp.config.override(eager_fast_path=fast):
             torch.manual_seed(dist.get_rank())
             q = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
             k = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
@@ -143,8 +140,6 @@ def fast_path_vs_op(layout_spec, kv_exchange="auto"):
             is_op = out.grad_fn.name().startswith("GeneratedBackwardFor_dtcp")
             out.backward(torch.cos(out.detach()))
             results.append((is_op, [out.detach(), lse, q.grad, k.grad, v.grad]))
-        finally:
-            ops.EAGER_FAST_PATH = True
     (fast_is_op, fast_vals), (op_is_op, op_vals) = results
     assert not fast_is_op and op_is_op, (fast_is_op, op_is_op)
     for a, b in zip(fast_vals, op_vals):

@@ -22,7 +22,7 @@ def make_inputs(seed, b, hq, hkv, s, d):
 
 
 def ring_errors(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name="float64", backend="auto", seed=0,
-                kv_exchange="auto"):
+                kv_exchange="auto", keep_outputs=False):
     """Runs on every rank: relative errors of out, lse, dq, dk, dv against the float64 reference,
     and, for low precision, the errors of the same kernel run on one process over the full
     sequence (the kernel's own error)."""
@@ -51,14 +51,20 @@ def ring_errors(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name="float64", 
     assert out.dtype == dtype and local[1].grad.shape == local[1].shape
     if dtype != torch.float64:
         errs["kernel"] = kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, is_causal, dtype, backend, shard)
+    if keep_outputs:
+        errs["outputs"] = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+        whole = lambda t: t  # noqa: E731
+        errs["full"] = {"ref": {"out": out_ref.detach(), "dq": ref[0].grad, "dk": ref[1].grad, "dv": ref[2].grad},
+                        "kernel": kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, is_causal, dtype, backend, whole,
+                                                outputs=True)}
     return errs
 
 
-def kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, is_causal, dtype, backend, shard):
+def kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, is_causal, dtype, backend, shard, outputs=False):
     """The local kernel's own error: the same kernel, the same dtype, one process, the whole
     sequence as one block, against the same float64 reference, measured on this rank's rows."""
     from dtcp.kernels import default_scale, select_kernel
-    from dtcp.schedule import Task
+    from dtcp.plan import Task
 
     s = q.shape[2]
     task = Task(0, s, 0, s, None, 0 if is_causal else None)
@@ -67,6 +73,8 @@ def kernel_errors(q, k, v, dout, out_ref, lse_ref, ref, is_causal, dtype, backen
     scale = default_scale(q.shape[-1])
     o, lse = kernel.forward(qd, kd, vd, task.lo, task.hi, scale)
     dq, dk, dv = kernel.backward(dout.to(dtype), qd, kd, vd, o, lse, task.lo, task.hi, scale)
+    if outputs:  # the kernel's own results over the whole sequence
+        return {"out": o, "dq": dq, "dk": dk, "dv": dv}
     pairs = {"out": (o, out_ref), "lse": (lse, lse_ref), "dq": (dq, ref[0].grad), "dk": (dk, ref[1].grad), "dv": (dv, ref[2].grad)}
     return {name: rel_err(shard(a), shard(b)) for name, (a, b) in pairs.items()}
 
@@ -144,16 +152,31 @@ def test_unshard_gradients(layout):
     assert all(run_ranks(2, unshard_grad, layout))
 
 
+def ring_errors_whole_sequence(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name, backend):
+    """ring_errors, plus the ring's and the kernel's errors over the whole sequence (every rank's
+    rows, gathered), so that ring sizes compare on the same rows."""
+    errs = ring_errors(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name, backend, keep_outputs=True)
+    layout = dtcp.layout_from_spec(layout_spec)
+    got = {key: layout.unshard(t.contiguous(), dim=2) for key, t in errs.pop("outputs").items()}
+    full = errs.pop("full")
+    errs["whole"] = {key: rel_err(got[key], full["ref"][key]) for key in got}
+    errs["kernel_whole"] = {key: rel_err(full["kernel"][key], full["ref"][key]) for key in got}
+    return errs
+
+
 def test_error_does_not_grow_with_ring_size():
     """float32, cpu_flash, the same problem split over 2, 4 and 8 ranks: every rank's error stays
-    within 1.5x the kernel's own error on its rows, and the worst error at 8 ranks stays within
-    1.5x the worst at 2 ranks (ring libraries whose error grows with N fail this)."""
-    worst = {}
+    within 1.5x the kernel's own error on its rows, and the ring / kernel error ratio measured on
+    the same rows (the whole sequence) at 8 ranks stays within 1.5x the ratio at 2 ranks (ring
+    libraries whose error grows with N fail this). Ratios, not raw errors: the kernel's own error
+    depends on the rows measured and on the CPU's vector unit; the ratio on the same rows does not."""
+    whole = {}
     for n in (2, 4, 8):
-        results = run_ranks(n, ring_errors, "zigzag", True, 1, 4, 2, 256, 32, "float32", "cpu_flash")
+        results = run_ranks(n, ring_errors_whole_sequence, "zigzag", True, 1, 4, 2, 256, 32, "float32", "cpu_flash")
         for key in ("out", "lse", "dq", "dk", "dv"):
             ratios = [r[key] / r["kernel"][key] for r in results]
             assert max(ratios) <= 1.5, (n, key, ratios)
-        worst[n] = {key: max(r[key] for r in results) for key in ("out", "dq", "dk", "dv")}
+        r0 = results[0]  # every rank computes the same whole-sequence errors
+        whole[n] = {key: r0["whole"][key] / r0["kernel_whole"][key] for key in ("out", "dq", "dk", "dv")}
     for key in ("out", "dq", "dk", "dv"):
-        assert worst[8][key] <= 1.5 * worst[2][key], (key, worst)
+        assert whole[8][key] <= 1.5 * whole[2][key], (key, whole)

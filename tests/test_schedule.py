@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dtcp
-from dtcp.schedule import ring_plan
+from dtcp.plan import ring_plan
 
 LAYOUTS = [dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(1), dtcp.Striped(2), dtcp.Striped(3)]
 

@@ -14,9 +14,9 @@ import types
 
 import torch
 
-from dtcp import _compat
+from dtcp.integrations.torchtitan import _patches
 
-_compat.make_torchtitan_importable()
+_patches.make_torchtitan_importable()
 
 import torchtitan.components.metrics as metrics  # noqa: E402
 import torchtitan.distributed.parallel_dims as parallel_dims  # noqa: E402

@@ -9,8 +9,8 @@ is traced into the graph instead: the compiler sees every operation, fuses the c
 the backward, and no Python runs per call.
 
 `dtcp::ring_attention` (a CompositeImplicitAutograd op, so tracing decomposes it) routes each call:
-the traced all-gather where `traced_reason` finds nothing against it, else the custom op. Eager
-calls do not come here (ops.ring_attention_eager_or_op).
+the traced all-gather where `traced_reason` finds nothing against it, else the custom op (see
+dtcp/ops.py). Eager calls do not come here.
 
 With PyTorch's CUDA flash kernel, a zigzag rank's two tasks (and every batch row) are one varlen
 launch (`allgather_attention_traced_one_launch`): every (row, task) pair is one sequence, the
@@ -30,21 +30,18 @@ from typing import Optional
 
 import torch
 
-from . import _compat
-from .kernels import Kernel, acc_dtype, band_mask_traceable
-from .schedule import AllGatherPlan, Task
-
-
-def _is_bottom_right_causal(t: Task) -> bool:
-    # key j visible from query i iff j - i <= k_len - q_len: causal aligned at the last key
-    return t.lo is None and t.hi == t.k_len - t.q_len
+from .. import _compat
+from ..comm.collectives import all_gather_traceable
+from ..config import config
+from ..kernels import Kernel, acc_dtype, band_mask_traceable
+from ..plan import AllGatherPlan
 
 
 def traced_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optional[str]:
     """Why this call cannot take the traced all-gather, or None."""
     if not plan.rows_tiled:
         return "some rows see no key (document padding)"
-    if not all(t.is_full or _is_bottom_right_causal(t) for t in plan.tasks):
+    if not all(t.is_full or t.is_bottom_right_causal for t in plan.tasks):
         return "a task has a window or document band"
     if kernel.name == "flash" and q.device.type == "cuda":
         return None
@@ -53,18 +50,15 @@ def traced_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optio
     return f"no traceable form of the {kernel.name!r} kernel"
 
 
-ONE_LAUNCH = True  # False: one kernel call per task (ops.compiled_route_key passes it to the caches)
-
-
-def _one_launch_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optional[str]:
+def one_launch_reason(plan: AllGatherPlan, kernel: Kernel, q: torch.Tensor) -> Optional[str]:
     """Why the traced call cannot be one varlen flash launch, or None (it can)."""
-    if not ONE_LAUNCH:
-        return "switched off (allgather_traced.ONE_LAUNCH = False)"
+    if not config.one_launch:
+        return "switched off (dtcp.config.one_launch = False)"
     if kernel.name != "flash" or q.device.type != "cuda":
         return "one varlen launch is PyTorch's CUDA flash kernel"
     if len(plan.tasks) < 2:
         return "one task is already one launch"
-    if not (all(t.is_full for t in plan.tasks) or all(_is_bottom_right_causal(t) for t in plan.tasks)):
+    if not (all(t.is_full for t in plan.tasks) or all(t.is_bottom_right_causal for t in plan.tasks)):
         return "one launch takes one causal flag for every task"
     return None
 
@@ -121,7 +115,7 @@ def allgather_attention_traced_one_launch(q, k, v, pg, plan: AllGatherPlan, scal
     packed = PackedTasks(b, tuple(t.q_len for t in plan.tasks), tuple(t.k_len for t in plan.tasks),
                          causal=not plan.tasks[0].is_full)
     send = torch.stack((k.transpose(1, 2), v.transpose(1, 2))).to(acc)  # (2, B, L, Hkv, D)
-    per_rank = _compat.all_gather_autograd(send, pg).view(plan.world_size, 2, b, l_len, hkv, d)
+    per_rank = all_gather_traceable(send, pg).view(plan.world_size, 2, b, l_len, hkv, d)
     pieces = [per_rank[rank][:, :, lo:hi] for t in plan.tasks for rank, lo, hi in plan.key_slices(t.k_start, t.k_end)]
     kv = torch.cat(pieces, dim=2).to(q.dtype)  # (2, B, Tk, Hkv, D), Tk = packed.row_keys
     kv = kv.reshape(2, b * packed.row_keys, hkv, d)
@@ -133,11 +127,11 @@ def allgather_attention_traced_one_launch(q, k, v, pg, plan: AllGatherPlan, scal
 
 def allgather_attention_traced(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float):
     """(out (B, Hq, L, D), lse (B, Hq, L)), differentiable in q, k, v; see the module docstring."""
-    if _one_launch_reason(plan, kernel, q) is None:
+    if one_launch_reason(plan, kernel, q) is None:
         return allgather_attention_traced_one_launch(q, k, v, pg, plan, scale)
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
-    gathered = _compat.all_gather_autograd(torch.stack((k, v)).to(acc), pg)  # (N*2, B, Hkv, L, D)
+    gathered = all_gather_traceable(torch.stack((k, v)).to(acc), pg)  # (N*2, B, Hkv, L, D)
     per_rank = gathered.view(plan.world_size, 2, b, h, l_len, d)
     pieces = [per_rank[rank][:, :, :, lo:hi] for rank, lo, hi in plan.key_slices(0, plan.seq_len)]
     kv = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)  # (2, B, Hkv, S, D)

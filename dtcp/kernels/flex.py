@@ -1,10 +1,6 @@
-"""Optional CUDA kernels: flex_attention and the flash-attn package (FA2).
+"""flex_attention as a kernel: any band mask (blocks made from the band directly, never a dense
+mask), GQA, fp16/bf16/fp32, CUDA.
 
-Same interface as dtcp/kernels.py (one schedule Task per call, SDPA layout B H L D, natural-log
-lse). Both are registered in kernels.KERNELS; `backend="auto"` prefers cuDNN and PyTorch's flash
-(faster on Hopper, see FACTS) and reaches these only when those cannot serve a request.
-
-flex: any band mask (blocks made from the band directly, never a dense mask), GQA, fp16/bf16/fp32.
 Its backward recomputes the block under autograd and reweights it to the merged (global) out and
 lse, because flex_attention's public API has no backward that takes an external lse:
   with w = exp(lse_block - lse_global) per row, the block's share of the global gradient is flex's
@@ -12,9 +8,6 @@ lse, because flex_attention's public API has no backward that takes an external 
   out_global)  (the second term replaces flex's softmax correction by the global one).
 That costs one extra block forward in the backward; flex is the general-mask fallback, not the
 fast path.
-
-fa2: flash_attn.flash_attn_interface (flash-attn 2.x, `pip install -e ".[flash]"`), BSHD,
-bottom-right aligned windows like PyTorch's bundled flash; used only when installed.
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from . import _compat
-from .kernels import Kernel, _flash_window, acc_dtype, flash2_reason
+from .. import _compat
+from .base import Kernel, acc_dtype
 
 _FLEX_BLOCK = 128
 
@@ -124,33 +117,3 @@ class FlexKernel(Kernel):
             d_lse = (dout_w.to(acc) * out_blk.detach().to(acc)).sum(-1) - w * (dout.to(acc) * out.to(acc)).sum(-1)
             dq, dk, dv = torch.autograd.grad((out_blk, lse_blk), (qg, kg, vg), (dout_w, d_lse.to(lse_blk.dtype)))
         return dq, dk, dv
-
-
-class FlashAttnPackageKernel(Kernel):
-    """The flash-attn package's FA2 (flash_attn.flash_attn_interface), when installed."""
-
-    name = "fa2"
-
-    def reject_reason(self, q, k, tasks):
-        if _compat.flash_attn_package_ops() is None:
-            return 'fa2 needs the flash-attn package (pip install -e ".[flash]"); it is not installed'
-        return flash2_reason(q, tasks, "fa2")
-
-    def forward(self, q, k, v, lo, hi, scale):
-        fwd, _ = _compat.flash_attn_package_ops()
-        left, right = _flash_window(q.shape[2], k.shape[2], lo, hi)
-        out, lse, *_ = fwd(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, False, left, right, 0.0, None, False
-        )
-        return out.transpose(1, 2), lse
-
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
-        _, bwd = _compat.flash_attn_package_ops()
-        left, right = _flash_window(q.shape[2], k.shape[2], lo, hi)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qt, kt, vt))
-        bwd(
-            dout.transpose(1, 2), qt, kt, vt, out.transpose(1, 2), lse.float().contiguous(), dq, dk, dv,
-            0.0, scale, False, left, right, 0.0, None, False, None,
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -1,13 +1,12 @@
 """The ring itself: forward and backward loops over a `RingPlan`, on plain tensors.
 
 Forward: Q stays; K/V blocks travel one rank per step. The next block's transfer is issued
-before the current block's kernels so communication overlaps compute (on CUDA over the copy
-engines or a high-priority NCCL stream; gloo in its own threads). Partial results merge into
-float32 (out, lse) accumulators.
+before the current block's kernels so communication overlaps compute. Partial results merge into
+float32 (out, lse) accumulators (float64 for float64 inputs).
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
-sender's own K/V (see schedule.py). Each chain sends only the blocks it uses.
+sender's own K/V (see dtcp/plan/ring.py). Each chain sends only the blocks it uses.
 
 Backward: dQ accumulates locally, and so does the share of a rank's own block. For the other
 blocks a dK/dV accumulator (float32) starts at the first holder of a chain and travels with the
@@ -16,42 +15,18 @@ of a chain the accumulator is sent home, so each rank ends with the gradients of
 backward sends exactly as many dK/dV blocks as K/V blocks.
 
 Buffers: the caller's K/V are sent as they are and never written; two spare K/V buffers and two
-dK/dV buffers alternate (symmetric-memory slots reused across calls when the copy engines carry
-the ring, else allocated once per call).
-
-`comm=NoComm()` runs the same kernels and merges with no communication, each step reusing the
-rank's own K/V: the benchmarks' "ideal" (see benchmarks/bench_attention.py).
+dK/dV buffers alternate (copy-engine slots reused across calls, else allocated once per call).
+`comm=NoComm()` runs the same kernels and merges with no communication (the benchmarks' ideal).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .comm import STATS, nbytes, ring_comm
-from .kernels import Kernel, acc_dtype
+from ..comm.p2p import NoComm
+from ..kernels import Kernel, acc_dtype
+from ..plan import RingPlan
 from .merge import merge_into_
-from .schedule import RingPlan
-
-
-class NoComm:
-    """Stand-in for RingComm that moves nothing: buffers stay as they are."""
-
-    @staticmethod
-    def spare_buffers(like, kind):
-        return [[torch.empty_like(t) for t in like] for _ in range(2)]
-
-    def exchange(self, send, recv, shift: int = 1):
-        return None
-
-    @staticmethod
-    def wait(works) -> None:
-        pass
-
-    @staticmethod
-    def drain() -> None:
-        pass
 
 
 def _rows(t0: int, t1: int):
@@ -62,10 +37,9 @@ def _covers_all_rows(step, local_len: int) -> bool:
     return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
 
 
-def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm: Optional[object] = None):
+def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm):
     """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards.
     Returns out (B, Hq, L, D) in q.dtype and lse (B, Hq, L) float32 (float64 for float64)."""
-    comm = ring_comm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
@@ -95,7 +69,7 @@ def ring_forward(q, k, v, pg, plan: RingPlan, kernel: Kernel, scale: float, comm
     if out_acc is None:  # no task at all: every row is padding
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    comm.drain()
+    comm.finish()
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
@@ -106,17 +80,11 @@ def _send_next_block(comm, plan: RingPlan, t: int, cur, local, nxt):
     """Start the K/V transfer for step t + 1: forward the block held, or at the start of a
     chain this rank's own block."""
     send = local if plan.starts_chain(t + 1) else cur
-    works = comm.exchange(list(send), list(nxt), shift=plan.steps[t + 1].shift)
-    if works is not None:
-        STATS.kv_rounds += 1
-        STATS.kv_bytes_sent += nbytes(send)
-    return works
+    return comm.exchange(list(send), list(nxt), plan.steps[t + 1].shift, "kv")
 
 
-def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, scale: float,
-                  comm: Optional[object] = None):
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm):
     """Gradients of ring_forward. Returns dq, dk, dv in the input dtypes."""
-    comm = ring_comm(pg, q.device) if comm is None else comm
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -126,6 +94,7 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
     home = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
     grad_bufs = comm.spare_buffers(list(home), "grad") if rounds else []
     grad_works = None
+    moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
 
     for t, step in enumerate(plan.steps):
         kv_works = None
@@ -144,7 +113,7 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             grad = home
         else:
             grad = grad_bufs[t % 2]
-            if plan.starts_chain(t) or isinstance(comm, NoComm):
+            if plan.starts_chain(t) or not moves:
                 comm.drain()  # the buffer may still be being sent from
                 grad[0].zero_()
                 grad[1].zero_()
@@ -155,22 +124,20 @@ def ring_backward(dout, q, k, v, out, lse, pg, plan: RingPlan, kernel: Kernel, s
             grad[0][ks] += dk_t
             grad[1][ks] += dv_t
         del shares
-        if t > 0 and not isinstance(comm, NoComm):
-            STATS.grad_rounds += 1
-            STATS.grad_bytes_sent += nbytes(grad)
+        if t > 0 and moves:
             if t < rounds and not plan.starts_chain(t + 1):
                 # Pass it on to the block's next holder; it arrives while that rank computes.
-                grad_works = comm.exchange(list(grad), list(grad_bufs[(t + 1) % 2]), shift=step.shift)
+                grad_works = comm.exchange(list(grad), list(grad_bufs[(t + 1) % 2]), step.shift, "grad")
             else:
                 # End of a chain: send it home (to the block's source) and take in our own. The
                 # other dK/dV buffer is free here (its last send was waited on in this step).
                 back = grad_bufs[(t + 1) % 2]
                 # (src - rank is the same for every rank modulo N, so all take the same path.)
-                comm.wait(comm.exchange(list(grad), list(back), shift=step.src - plan.rank))
+                comm.wait(comm.exchange(list(grad), list(back), step.src - plan.rank, "grad"))
                 home[0].add_(back[0])
                 home[1].add_(back[1])
         if kv_works is not None:
             comm.wait(kv_works)
             cur = spare[t % 2]
-    comm.drain()
+    comm.finish()
     return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)

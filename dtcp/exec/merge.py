@@ -5,14 +5,14 @@ If a query row's keys are split into two disjoint sets with partial results (o1,
 
 On CUDA a fused Triton kernel reads each accumulator once and writes it once (the unfused torch
 version makes about eight passes over the fp32 output, which at 32K tokens per rank costs a
-noticeable fraction of a ring step). Set DTCP_MERGE=torch to force the torch version.
+noticeable fraction of a ring step). `dtcp.config.merge = "torch"` forces the torch version.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..config import config
 
 try:  # Triton is optional: CPU-only installs don't have it.
     import triton
@@ -28,6 +28,8 @@ def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Ten
     out_blk: (B, H, L, D) any float dtype, lse_blk: (B, H, L). Rows where both are -inf stay
     (0, -inf) instead of turning into NaN.
     """
+    if config.merge == "triton" and triton is None:
+        raise RuntimeError("dtcp.config.merge='triton' but triton is not installed; use 'auto' or 'torch'")
     if _use_triton(out_acc, lse_acc, out_blk, lse_blk):
         _merge_triton(out_acc, lse_acc, out_blk, lse_blk)
     else:
@@ -53,7 +55,7 @@ def _use_triton(out_acc, lse_acc, out_blk, lse_blk) -> bool:
         and out_acc.stride(-1) == 1
         and out_blk.stride(-1) == 1
         and out_acc.shape[-1] <= 256
-        and os.environ.get("DTCP_MERGE", "triton") != "torch"
+        and config.merge != "torch"
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .layouts import check_window
+from ..layouts import check_window
 
 # A plain module-level stack rather than a ContextVar: torch.compile traces reads of a global
 # list (and guards on it) but graph-breaks on ContextVar.get. It is per process, shared by threads.

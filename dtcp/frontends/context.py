@@ -21,15 +21,17 @@ step to the next; tests/test_context.py counts frames and graph breaks).
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _compat
-from ._groups import group_rank, group_size
-from .api import ring_attention
-from .layouts import Layout, Zigzag, layout_from_spec
+from .. import _compat
+from .._groups import group_rank, group_size
+from ..api import ring_attention
+from ..layouts import Layout, Zigzag, layout_from_spec
+from . import dtensor as _dt
 
 _SDPA_FUNCS = _compat.sdpa_functions()
 
@@ -189,8 +191,6 @@ class RingSDPAMode(TorchFunctionMode):
                 "ring attention is exact and has no attention dropout. Pass dropout_p=0.0 (e.g. set the "
                 "model's attention dropout to 0 or call model.eval()), or apply dropout to the attention output."
             )
-        from . import dtensor as _dt  # late import: DTensor support is optional
-
         if _dt.is_dtensor(q) or _dt.is_dtensor(k) or _dt.is_dtensor(v):
             return _dt.ring_sdpa_dtensor(self, q, k, v, is_causal, scale, enable_gqa)
         return self.ring(q, k, v, self.group, is_causal, scale, enable_gqa)
@@ -223,19 +223,28 @@ class ContextParallelHandle:
 
 
 # One mode object per configuration, reused from step to step: dynamo guards on the mode and its
-# attributes, and a fresh but equal object each step would be one more thing to get wrong.
-_MODES: dict = {}
+# attributes, and a fresh but equal object each step would be one more thing to get wrong. Bounded
+# (least recently used first out), and never keyed by a tensor: options that hold tensors (e.g.
+# cu_seqlens, new every batch) get a fresh mode each time instead of one cached entry per tensor.
+_MODES: "OrderedDict[tuple, RingSDPAMode]" = OrderedDict()
+_MAX_MODES = 16
 
 
 def _mode_for(pg, layout: Layout, backend: str, ring_kwargs: dict) -> RingSDPAMode:
+    if any(isinstance(value, torch.Tensor) for value in ring_kwargs.values()):
+        return RingSDPAMode(pg, layout, backend, ring_kwargs)
     try:
         key = (pg, layout, backend, tuple(sorted(ring_kwargs.items())))
         hash(key)
-    except TypeError:  # unhashable ring kwargs (e.g. a tensor): no reuse
+    except TypeError:  # unhashable ring kwargs: no reuse
         return RingSDPAMode(pg, layout, backend, ring_kwargs)
     mode = _MODES.get(key)
     if mode is None:
         mode = _MODES[key] = RingSDPAMode(pg, layout, backend, ring_kwargs)
+        if len(_MODES) > _MAX_MODES:
+            _MODES.popitem(last=False)
+    else:
+        _MODES.move_to_end(key)
     return mode
 
 

@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .layouts import Layout, layout_from_spec
+from .._groups import group_size
+from ..layouts import Layout, layout_from_spec
 
 # DTensor -> the placements it was made with, layouts included (see the module docstring).
 _LAYOUT_PLACEMENTS = WeakTensorKeyDictionary()
@@ -259,10 +260,10 @@ def ring_sdpa_dtensor(mode, q, k, v, is_causal, scale, enable_gqa):
     if seq_mesh_dims:
         m = seq_mesh_dims[0]
         group = mesh.get_group(m)
-        if mesh.size(m) != _size(mode.group):
+        if mesh.size(m) != group_size(mode.group):
             raise ValueError(
                 f"q/k/v are sharded on the sequence over mesh dim {m} of size {mesh.size(m)}, but the "
-                f"context_parallel block's group has {_size(mode.group)} ranks; use the block's cp mesh dim"
+                f"context_parallel block's group has {group_size(mode.group)} ranks; use the block's cp mesh dim"
             )
         if not torch.compiler.is_compiling():
             recorded = layout_placements(q)
@@ -272,6 +273,3 @@ def ring_sdpa_dtensor(mode, q, k, v, is_causal, scale, enable_gqa):
     out = mode.ring(q.to_local(), k.to_local(), v.to_local(), group, is_causal, scale, enable_gqa)
     return DTensor.from_local(out, mesh, q.placements, run_check=False)
 
-
-def _size(pg) -> int:
-    return torch.distributed.get_world_size(pg)

@@ -52,15 +52,16 @@ dtcp on a one-rank group (the same op and mask as under CP).
 # annotations of the [dtcp] dataclasses, and string annotations would not resolve.
 import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .. import _compat
+from . import _patches
 
-_compat.make_torchtitan_importable()
+_patches.make_torchtitan_importable()
 
 from torchtitan.models.attention import (  # noqa: E402
     FlexAttentionWrapper,
@@ -72,10 +73,10 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger  # noqa: E402
 
 import dtcp  # noqa: E402
-from .._groups import group_size  # noqa: E402
-from ..kernels import KERNELS  # noqa: E402
-from ..layouts import Layout, layout_from_spec  # noqa: E402
-from ..schedule import KV_EXCHANGES  # noqa: E402
+from ..._groups import group_size  # noqa: E402
+from ...kernels import KERNELS  # noqa: E402
+from ...layouts import Layout, layout_from_spec  # noqa: E402
+from ...plan import KV_EXCHANGES  # noqa: E402
 
 __all__ = [
     "Dtcp",
@@ -230,39 +231,31 @@ def apply_dtcp_to_attention(model: nn.Module, cp_group, options: DtcpOptions) ->
 
 
 # ---- input sharding ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _ShardPlan:
-    group_name: str
-    group: object
-    layout: Layout
-
-
-_PLANS: dict[str, _ShardPlan] = {}  # by cp group name
+# The layout of each cp group dtcp owns, keyed by the group object (a group destroyed and made
+# again is a new object and no longer dtcp's until parallelize runs for it).
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _dtcp_cp_shard(cp_mesh, inputs, attention_masks, load_balancer_type="headtail", input_seq_dim=1):
     """torchtitan's cp_shard for the cp meshes dtcp owns: each tensor of `inputs` (inputs,
     labels, positions) is sharded along `input_seq_dim` with the dtcp layout; document
     boundaries (VarlenMetadata) stay global, as dtcp's varlen ring takes them."""
-    plan = _PLANS.get(_compat.name_of_group(cp_mesh.get_group()))
-    if plan is None:
+    group = cp_mesh.get_group()
+    layout = _LAYOUTS.get(group)
+    if layout is None:
         return _dtcp_cp_shard.torchtitan_cp_shard(cp_mesh, inputs, attention_masks, load_balancer_type, input_seq_dim)
     if attention_masks is not None and not isinstance(attention_masks, VarlenMetadata):
         raise TypeError(
             f"dtcp shards causal and document-masked (varlen) batches; got attention masks of type "
             f"{type(attention_masks).__name__}"
         )
-    sharded = tuple(
-        plan.layout.shard(t, plan.group, dim=input_seq_dim).contiguous() for t in inputs
-    )
+    sharded = tuple(layout.shard(t, group, dim=input_seq_dim).contiguous() for t in inputs)
     return sharded, attention_masks
 
 
 def _own_cp_mesh(cp_mesh, layout: Layout) -> None:
-    group = cp_mesh.get_group()
-    name = _compat.name_of_group(group)
-    _PLANS[name] = _ShardPlan(name, group, layout)
-    _compat.patch_torchtitan_cp_shard(_dtcp_cp_shard)
+    _LAYOUTS[cp_mesh.get_group()] = layout
+    _patches.patch_torchtitan_cp_shard(_dtcp_cp_shard)
 
 
 # ---- the train spec ----------------------------------------------------------------------------
@@ -307,7 +300,7 @@ def _dtcp_parallelize(base_parallelize):
             f"dtcp: context parallelism over cp={cp_mesh.size()} with layout {options.layout.spec()}, "
             f"backend {options.backend}, window {options.window_size}, kv_exchange {options.kv_exchange}"
         )
-        with _compat.replaced_global(base_parallelize, "apply_cp_to_attention_module", _skip_torchtitan_cp):
+        with _patches.replaced_global(base_parallelize, "apply_cp_to_attention_module", _skip_torchtitan_cp):
             return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)
 
     parallelize.__name__ = f"dtcp_{base_parallelize.__name__}"

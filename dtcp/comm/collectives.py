@@ -1,0 +1,35 @@
+"""Collectives of the all-gather schedule, counted in dtcp.comm_stats where they are issued."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat
+from .stats import STATS
+
+
+def all_gather_kv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: int) -> torch.Tensor:
+    """(N * send.shape[0], ...): every rank's `send` (its stacked K and V), rank-major. Counted as one
+    K/V round: this rank's tensor reaches N - 1 peers."""
+    # flat along dim 0: gloo takes no stacked shape
+    gathered = send.new_empty((world_size * send.shape[0],) + send.shape[1:])
+    _compat.all_gather_into(gathered, send, pg)
+    STATS.count("kv", (world_size - 1) * send.numel() * send.element_size())
+    return gathered
+
+
+def reduce_scatter_dkv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: int) -> torch.Tensor:
+    """(send.shape[0] / N, ...): the sum over ranks of this rank's part of `send` (every rank's
+    stacked dK and dV shares, rank-major). Counted as one dK/dV round: the N - 1 parts that are not
+    this rank's leave it."""
+    mine = send.new_empty((send.shape[0] // world_size,) + send.shape[1:])
+    _compat.reduce_scatter_into(mine, send, pg)
+    STATS.count("grad", (send.numel() - mine.numel()) * send.element_size())
+    return mine
+
+
+def all_gather_traceable(x: torch.Tensor, pg: "dist.ProcessGroup") -> torch.Tensor:
+    """Differentiable all-gather along dim 0 that torch.compile traces into the graph (its backward
+    is a reduce-scatter). Not counted: traced graphs run no Python per call."""
+    return _compat.all_gather_autograd(x, pg)

@@ -1,0 +1,112 @@
+"""dtcp's settings: one object, `dtcp.config`.
+
+Every switch dtcp has lives here. Environment variables are read once, when dtcp is imported;
+nothing reads the environment or a module global on the hot path.
+
+    import dtcp
+    dtcp.config.timeout_s = 120                 # a setting for the rest of the process
+    with dtcp.config.override(eager_fast_path=False):
+        ...                                      # a setting for a block (tests, benchmarks)
+
+| setting | default | environment variable | what it does |
+|---|---|---|---|
+| `timeout_s` | 30.0 | `DTCP_TIMEOUT` | longest wait for another rank inside a dtcp call, then every rank raises |
+| `check_every_call` | False | `DTCP_CHECK_EVERY_CALL` | agree on the call's arguments on every call, not only on a new route (debug) |
+| `transport` | "auto" | `DTCP_TRANSPORT` | ring transport on CUDA: "auto" (copy engines where available), "ce", "nccl" |
+| `high_priority_ring` | True | `DTCP_HIGH_PRIORITY_RING` | NCCL ring on a high-priority stream |
+| `merge` | "auto" | `DTCP_MERGE` | LSE merge: "auto" (fused Triton kernel on CUDA), "triton", "torch" |
+| `allgather_max_bytes` | 16 MiB | | `kv_exchange="auto"` gathers K/V up to this size (whole sequence, per rank) |
+| `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
+| `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
+| `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+_CHOICES = {
+    "transport": ("auto", "ce", "nccl"),
+    "merge": ("auto", "triton", "torch"),
+}
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={value!r}: use 1 or 0")
+
+
+@dataclasses.dataclass
+class Config:
+    """dtcp's settings (see the module docstring for the table). Assigning checks the value."""
+
+    timeout_s: float = 30.0
+    check_every_call: bool = False
+    transport: str = "auto"
+    high_priority_ring: bool = True
+    merge: str = "auto"
+    allgather_max_bytes: int = 16 * 2**20
+    eager_fast_path: bool = True
+    traced_allgather: bool = True
+    one_launch: bool = True
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise AttributeError(f"dtcp.config has no setting {name!r}; settings: "
+                                 f"{[f.name for f in dataclasses.fields(self)]}")
+        object.__setattr__(self, name, _checked(name, value))
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        cfg = cls()
+        if "DTCP_TIMEOUT" in os.environ:
+            cfg.timeout_s = float(os.environ["DTCP_TIMEOUT"])
+        cfg.check_every_call = _env_bool("DTCP_CHECK_EVERY_CALL", cfg.check_every_call)
+        if "DTCP_TRANSPORT" in os.environ:
+            cfg.transport = os.environ["DTCP_TRANSPORT"].strip().lower()
+        cfg.high_priority_ring = _env_bool("DTCP_HIGH_PRIORITY_RING", cfg.high_priority_ring)
+        if "DTCP_MERGE" in os.environ:
+            cfg.merge = os.environ["DTCP_MERGE"].strip().lower()
+        return cfg
+
+    @contextlib.contextmanager
+    def override(self, **changes) -> Iterator["Config"]:
+        """Within the block the given settings hold; on exit the previous values return."""
+        saved = {name: getattr(self, name) for name in changes}
+        try:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
+
+
+def _checked(name: str, value):
+    if name in _CHOICES:
+        if value not in _CHOICES[name]:
+            raise ValueError(f"dtcp.config.{name} must be one of {_CHOICES[name]}; got {value!r}")
+        return value
+    if name == "timeout_s":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"dtcp.config.timeout_s must be a positive number of seconds; got {value!r}")
+        return float(value)
+    if name == "allgather_max_bytes":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"dtcp.config.allgather_max_bytes must be an int >= 0; got {value!r}")
+        return value
+    if not isinstance(value, bool):
+        raise TypeError(f"dtcp.config.{name} must be True or False; got {value!r}")
+    return value
+
+
+config = Config.from_env()

@@ -1,0 +1,266 @@
+"""The all-gather schedule (`kv_exchange="allgather"`): forward and backward on plain tensors.
+
+Per task (`AllGatherPlan`): every rank's K/V are gathered in one collective, put in global token
+order, and each task is one kernel call of a run of this rank's queries against every key it
+sees. Each query row is computed by exactly one call, so out and lse come straight from the
+kernel: no merge. The backward gives each task's dQ whole and its share of dK/dV over the global
+keys, summed in float32; one reduce-scatter returns to each rank the sum for its own K/V.
+
+As one varlen call (`VarlenPlan`, documents): one all-gather, one indexed copy that lays out each
+sequence's keys back to back (keys two sequences share are copied twice), one kernel call; the
+backward is one kernel call, one indexed accumulate of the sequences' dK/dV into float32 buffers
+(summing the copies), one reduce-scatter.
+
+The gathered K/V come from the forward when the caller kept them (the eager path: N times this
+rank's K/V per attention call, which `auto` bounds at dtcp.config.allgather_max_bytes) and are
+gathered again otherwise (the custom op, whose outputs are only out and lse).
+
+Buffers, with L local tokens, S = N * L and rank-major order = rank 0's tokens, then rank 1's:
+    sent:      (2, B, Hkv, L, D)         this rank's K and V (token-major for varlen)
+    gathered:  (N, 2, B, Hkv, L, D)      every rank's, rank-major
+    global:    (2, B, Hkv, S, D)         K and V in token order (one index_select; none for the
+                                         contiguous layout, whose rank-major order is token order)
+Every reordering is one indexed copy with an index built once per plan (by value) and device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
+from ..kernels import Kernel, VarlenSeqs, acc_dtype
+from ..plan import AllGatherPlan, VarlenPlan
+
+
+def _rows(t0: int, t1: int):
+    return (slice(None), slice(None), slice(t0, t1))
+
+
+def _bounded_put(cache: dict, key, value, limit: int = 64):
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+# ---- per task -----------------------------------------------------------------------------------
+_ORDERS: dict = {}
+
+
+def _orders(plan: AllGatherPlan, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(to_global, to_rank_major): int64 indices along the sequence with
+    global[g] = rank_major[to_global[g]] and rank_major[i] = global[to_rank_major[i]];
+    (None, None) when the two orders are the same (contiguous layout)."""
+    key = (plan.global_order, plan.piece_len, device)
+    cached = _ORDERS.get(key)
+    if cached is None:
+        p_len = plan.piece_len
+        if plan.global_order == tuple(range(len(plan.global_order))):
+            cached = (None, None)
+        else:
+            tokens = torch.arange(p_len)
+            to_global = torch.cat([p * p_len + tokens for p in plan.global_order])
+            to_rank_major = torch.cat([j * p_len + tokens for j in plan.rank_major_positions])
+            cached = (to_global.to(device), to_rank_major.to(device))
+        _bounded_put(_ORDERS, key, cached)
+    return cached
+
+
+def gather_kv(k, v, pg, plan: AllGatherPlan) -> torch.Tensor:
+    """(2, B, Hkv, S, D): every rank's K and V in global token order."""
+    b, h, l_len, d = k.shape
+    n = plan.world_size
+    gathered = all_gather_kv(torch.stack((k, v)), pg, n).view(n, 2, b, h, l_len, d)
+    # (N, 2, B, Hkv, L, D) -> (2, B, Hkv, N*L, D), rank-major along the sequence
+    kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, n * l_len, d)
+    to_global, _ = _orders(plan, k.device)
+    return kv if to_global is None else kv.index_select(3, to_global)
+
+
+def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float, keep_kv: bool = False):
+    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards. Returns out (B, Hq, L, D) in
+    q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the gathered K/V
+    (2, B, Hkv, S, D) for allgather_backward (else None)."""
+    acc = acc_dtype(q.dtype)
+    kv = gather_kv(k, v, pg, plan)
+    outs, lses = [], []
+    for task in plan.tasks:
+        ks = _rows(task.k_start, task.k_end)
+        o, l = kernel.forward(q[_rows(task.q_start, task.q_end)], kv[0][ks], kv[1][ks], task.lo, task.hi, scale)
+        outs.append(o)
+        lses.append(l)
+    kept = kv if keep_kv else None
+    if plan.rows_tiled:
+        # Contiguous, as the op's fake promises (cat makes a fresh tensor; a lone task's output
+        # may be a transposed view).
+        if len(outs) == 1:
+            return outs[0].to(q.dtype).contiguous(), lses[0].to(acc).contiguous(), kept
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).to(acc), kept
+    # Rows in no task see no key (padding under a document mask): out 0 and lse 0, as the ring.
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.zeros(q.shape[:-1], dtype=acc, device=q.device)
+    for task, o, l in zip(plan.tasks, outs, lses):
+        qs = _rows(task.q_start, task.q_end)
+        out[qs] = o
+        lse[qs] = l
+    return out, lse, kept
+
+
+def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel: Kernel, scale: float,
+                       kv: Optional[torch.Tensor] = None):
+    """Gradients of allgather_forward (kv: its kept K/V, or None to gather them again).
+    Returns dq, dk, dv in the input dtypes."""
+    acc = acc_dtype(q.dtype)
+    b, h, l_len, d = k.shape
+    n = plan.world_size
+    if kv is None:
+        kv = gather_kv(k, v, pg, plan)
+    dkv = torch.zeros((2, b, h, plan.seq_len, d), dtype=acc, device=k.device)
+    dqs = []
+    for task in plan.tasks:
+        qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
+        dq_t, dk_t, dv_t = kernel.backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs],
+                                           task.lo, task.hi, scale)
+        dqs.append(dq_t)
+        dkv[0][ks] += dk_t
+        dkv[1][ks] += dv_t
+        del dk_t, dv_t
+    del kv
+    if plan.rows_tiled:
+        dq = (dqs[0].contiguous() if len(dqs) == 1 else torch.cat(dqs, dim=2)).to(q.dtype)
+    else:
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        for task, dq_t in zip(plan.tasks, dqs):
+            dq[_rows(task.q_start, task.q_end)] = dq_t
+    # Global order -> rank-major, rank first for the reduce-scatter: (N, 2, B, Hkv, L, D).
+    _, to_rank_major = _orders(plan, k.device)
+    if to_rank_major is not None:
+        dkv = dkv.index_select(3, to_rank_major)
+    send = dkv.view(2, b, h, n, l_len, d).permute(3, 0, 1, 2, 4, 5).reshape(n * 2, b, h, l_len, d)
+    del dkv
+    mine = reduce_scatter_dkv(send, pg, n)
+    # copy=True: fresh dk and dv even when no cast is needed (outputs must not alias each other)
+    return dq, mine[0].to(k.dtype, copy=True), mine[1].to(v.dtype, copy=True)
+
+
+# ---- one varlen call --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Packing:
+    seqs: VarlenSeqs
+    key_rank: torch.Tensor  # (T_k,) rank holding each packed key
+    key_row: torch.Tensor  # (T_k,) its index into that rank's B*L token rows
+
+
+_PACKINGS: dict = {}
+
+
+def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
+    """Index tensors for `plan`, built once per plan object and device: every layer of a model step
+    shares the route's plan (hashing a plan by value would cost a pass over all its tasks per call;
+    the entry holds the plan, so an id is never reused for another plan while it is cached)."""
+    key = (id(plan), device)
+    hit = _PACKINGS.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    l_len = plan.local_len
+    first = plan.rows[0]
+    r_count, p_len = first.runs_per_rank, first.piece_len
+    # global position g -> (owning rank, local index there)
+    owner, local = [], []
+    for piece in first.global_order:
+        owner.append(torch.full((p_len,), piece // r_count, dtype=torch.int64))
+        local.append((piece % r_count) * p_len + torch.arange(p_len))
+    owner, local = torch.cat(owner), torch.cat(local)
+    cu_q, cu_k, key_rank, key_row = [0], [0], [], []
+    for b, row_plan in enumerate(plan.rows):
+        for t in row_plan.tasks:
+            cu_q.append(cu_q[-1] + t.q_len)
+            cu_k.append(cu_k[-1] + t.k_len)
+            key_rank.append(owner[t.k_start:t.k_end])
+            key_row.append(b * l_len + local[t.k_start:t.k_end])
+    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
+    seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), cu[0], cu[1], max_q, max_k)
+    packing = _Packing(seqs, torch.cat(key_rank).to(device), torch.cat(key_row).to(device))
+    _bounded_put(_PACKINGS, key, (plan, packing))
+    return packing
+
+
+def _pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B*L, H, D): the query rows of the sequences, in order."""
+    b, h, l_len, d = x.shape
+    return x.transpose(1, 2).reshape(b * l_len, h, d)
+
+
+def _contiguous(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous copy of `view` in `dtype`: what the ops' fake implementations promise.
+    (Tensor.to(dtype, memory_format=...) returns the view itself when the dtype already matches.)"""
+    return torch.empty(view.shape, dtype=dtype, device=view.device).copy_(view)
+
+
+def _unpack_rows(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """(B*L, H, D) -> (B, H, L, D) contiguous, in `dtype`."""
+    b, h, l_len, d = shape
+    return _contiguous(packed.view(b, l_len, h, d).transpose(1, 2), dtype)
+
+
+def _pack_lse(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, L) -> (H, B*L), contiguous as the kernels take it."""
+    b, h, l_len = lse.shape
+    return lse.permute(1, 0, 2).reshape(h, b * l_len).contiguous()
+
+
+def _unpack_lse(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """(H, B*L) -> (B, H, L) contiguous, in `dtype`."""
+    b, h, l_len = shape
+    return _contiguous(packed.view(h, b, l_len).transpose(0, 1), dtype)
+
+
+def gather_packed_kv(k, v, pg, plan: VarlenPlan, packing: _Packing) -> torch.Tensor:
+    """(2, T_k, Hkv, D): the keys and values of every sequence, back to back."""
+    b, h, l_len, d = k.shape
+    n = plan.world_size
+    gathered = all_gather_kv(torch.stack((k.transpose(1, 2), v.transpose(1, 2))), pg, n)  # (N*2, B, L, Hkv, D)
+    # (N, 2, B*L, Hkv, D) -> (2, N, B*L, Hkv, D) view; one gather picks every packed key
+    return gathered.view(n, 2, b * l_len, h, d).transpose(0, 1)[:, packing.key_rank, packing.key_row]
+
+
+def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, keep_kv: bool = False):
+    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards. Returns out (B, Hq, L, D) in
+    q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the packed K/V for
+    varlen_backward (else None)."""
+    packing = _packing(plan, q.device)
+    kv = gather_packed_kv(k, v, pg, plan, packing)
+    out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale)
+    out, lse = _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
+    return out, lse, (kv if keep_kv else None)
+
+
+def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
+                    kv: Optional[torch.Tensor] = None):
+    """Gradients of varlen_forward (kv: its kept packed K/V, or None to gather again).
+    Returns dq, dk, dv in the input dtypes."""
+    acc = acc_dtype(q.dtype)
+    b, h, l_len, d = k.shape
+    n = plan.world_size
+    packing = _packing(plan, q.device)
+    if kv is None:
+        kv = gather_packed_kv(k, v, pg, plan, packing)
+    dq, dk, dv = kernel.varlen_backward(
+        _pack_rows(dout), _pack_rows(q), kv[0], kv[1], _pack_rows(out), _pack_lse(lse), packing.seqs, plan.window,
+        scale,
+    )
+    del kv
+    # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
+    # straight into the rank-major layout the reduce-scatter sends.
+    dkv = torch.zeros((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
+    torch.ops.aten.index_put_(dkv.transpose(0, 1), [None, packing.key_rank, packing.key_row],
+                              torch.stack((dk, dv)).to(acc), True)
+    del dk, dv
+    mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
+    return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
+            _contiguous(mine[1].transpose(1, 2), v.dtype))

@@ -1,0 +1,172 @@
+"""The interface every local attention kernel implements.
+
+Every kernel computes one schedule `Task` on local tensors (SDPA layout, B H L D):
+
+    forward(q, k, v, lo, hi, scale)                   -> out (B, Hq, Lq, D), lse (B, Hq, Lq)
+    backward(dout, q, k, v, out, lse, lo, hi, scale)  -> dq (B, Hq, Lq, D), dk, dv (B, Hkv, Lk, D)
+
+`lo`/`hi` give the band mask (key j visible from query i iff lo <= j - i <= hi, None = unbounded).
+`lse` is the natural-log sum of exponentials, float32 (float64 for float64 inputs). In the
+backward, `out` and `lse` are the *merged* (global) values for these query rows, which makes the
+kernel's gradient exactly this block's share of the full gradient. K/V may have fewer heads than
+Q (GQA); dk/dv come back with the K/V head count.
+
+Kernels with `supports_varlen` also take many sequences in one call, packed as in flash-attn's
+varlen functions (sequence i: rows cu_q[i]:cu_q[i+1] of q, cu_k[i]:cu_k[i+1] of k/v), with one
+bottom-right aligned window (left, right) for all of them ((-1, 0) = causal, -1 = unbounded):
+
+    varlen_forward(q, k, v, seqs, window, scale)                   -> out (Tq, Hq, D), lse (Hq, Tq)
+    varlen_backward(dout, q, k, v, out, lse, seqs, window, scale)  -> dq (Tq, Hq, D), dk, dv (Tk, Hkv, D)
+
+The base class loops over the sequences with `forward`/`backward` (the reference the one-launch
+kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Optional
+
+import torch
+
+from ..plan import Band, Task
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+@dataclass(frozen=True)
+class VarlenSeqs:
+    """The sequences of one varlen call: cumulative lengths on the host (cu_q, cu_k) and as int32
+    tensors on the device (cu_q_t, cu_k_t), and the longest query and key lengths."""
+
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    cu_q_t: torch.Tensor
+    cu_k_t: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class Kernel:
+    name = "kernel"
+    supports_varlen = False  # takes varlen_forward/varlen_backward
+    varlen_one_launch = False  # ... in one kernel launch (else a loop over the sequences)
+
+    def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task]) -> Optional[str]:
+        """None when this kernel can serve every task on these inputs, else why not."""
+        raise NotImplementedError
+
+    def reject_varlen_reason(self, seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[str]:
+        """None when one varlen call with these (q_len, k_len) sequences and this bottom-right
+        window is exactly what the kernel computes, else why not (kernel quirks)."""
+        return None if self.supports_varlen else f"{self.name} takes no varlen calls"
+
+    def forward(self, q, k, v, lo, hi, scale):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        raise NotImplementedError
+
+    # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale):
+        outs, lses = [], []
+        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+            band = Band.from_aligned_window(qb - qa, kb - ka, window)
+            o, l = self.forward(rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]), rows_to_block(v[ka:kb]),
+                                band.lo, band.hi, scale)
+            outs.append(block_to_rows(o))
+            lses.append(l[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale):
+        dqs, dks, dvs = [], [], []
+        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+            band = Band.from_aligned_window(qb - qa, kb - ka, window)
+            dq, dk, dv = self.backward(
+                rows_to_block(dout[qa:qb]), rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]),
+                rows_to_block(v[ka:kb]), rows_to_block(out[qa:qb]), lse[None, :, qa:qb], band.lo, band.hi, scale)
+            dqs.append(block_to_rows(dq))
+            dks.append(block_to_rows(dk))
+            dvs.append(block_to_rows(dv))
+        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+
+
+def rows_to_block(rows: torch.Tensor) -> torch.Tensor:
+    return rows.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
+
+
+def block_to_rows(block: torch.Tensor) -> torch.Tensor:
+    return block[0].transpose(0, 1)  # (1, H, T, D) -> (T, H, D)
+
+
+def full_or_square_causal_reason(tasks: Iterable[Task], name: str) -> Optional[str]:
+    for t in tasks:
+        if not (t.is_full or t.is_square_causal):
+            return (f"{name} only takes full or square causal blocks, and the schedule has band ({t.lo}, {t.hi}) "
+                    f"on a {t.q_len}x{t.k_len} block")
+    return None
+
+
+def cuda_half_reason(q: torch.Tensor, name: str, max_head_dim: int) -> Optional[str]:
+    """Why a CUDA fp16/bf16 kernel taking head dims that are multiples of 8 up to max_head_dim
+    cannot take q, or None."""
+    if q.device.type != "cuda":
+        return f"{name} needs CUDA tensors; got {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{name} takes float16/bfloat16; got {q.dtype}"
+    if q.shape[-1] > max_head_dim or q.shape[-1] % 8:
+        return f"{name} needs head_dim <= {max_head_dim} and a multiple of 8; got {q.shape[-1]}"
+    return None
+
+
+@lru_cache(maxsize=64)
+def _band_mask_cpu(lq: int, lk: int, lo: Optional[int], hi: Optional[int]) -> torch.Tensor:
+    d = torch.arange(lk)[None, :] - torch.arange(lq)[:, None]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if lo is not None:
+        keep &= d >= lo
+    if hi is not None:
+        keep &= d <= hi
+    return keep
+
+
+def band_mask(lq, lk, lo, hi, device) -> Optional[torch.Tensor]:
+    """Boolean (lq, lk) mask, True = visible; None for full attention."""
+    if lo is None and hi is None:
+        return None
+    return _band_mask_cpu(lq, lk, lo, hi).to(device)
+
+
+def band_mask_traceable(lq, lk, lo, hi, device) -> Optional[torch.Tensor]:
+    """band_mask built from tensor ops on `device` each call, for code traced by torch.compile
+    (a cached tensor would enter the graph as a constant from outside the fake tensor mode)."""
+    if lo is None and hi is None:
+        return None
+    offset = torch.arange(lk, device=device)[None, :] - torch.arange(lq, device=device)[:, None]
+    keep = torch.ones_like(offset, dtype=torch.bool)
+    if lo is not None:
+        keep = keep & (offset >= lo)
+    if hi is not None:
+        keep = keep & (offset <= hi)
+    return keep
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # SDPA's enable_gqa convention: query head h uses key/value head h // groups.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, l_len, d = x.shape
+    return x.view(b, h // groups, groups, l_len, d).sum(2)

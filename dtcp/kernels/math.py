@@ -1,0 +1,51 @@
+"""The math kernel: pure torch, any device and dtype, any band. The reference."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Kernel, acc_dtype, band_mask, repeat_kv, sum_groups
+
+
+class MathKernel(Kernel):
+    """Pure torch, any device and dtype, any band: the reference. Computes in float32/float64."""
+
+    name = "math"
+    supports_varlen = True  # the base class's loop
+
+    def reject_reason(self, q, k, tasks):
+        if not q.is_floating_point():
+            return f"math needs floating-point inputs; got {q.dtype}"
+        return None
+
+    def _scores(self, q, k, lo, hi, scale, mask_fn=band_mask):
+        acc = acc_dtype(q.dtype)
+        g = q.shape[1] // k.shape[1]
+        s = torch.matmul(q.to(acc), repeat_kv(k, g).to(acc).transpose(-1, -2)) * scale
+        mask = mask_fn(q.shape[2], k.shape[2], lo, hi, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return s, g
+
+    def forward(self, q, k, v, lo, hi, scale, mask_fn=band_mask):
+        """mask_fn: band_mask, or band_mask_traceable where torch.compile traces the call
+        (differentiable then through autograd: lse is returned attached)."""
+        s, g = self._scores(q, k, lo, hi, scale, mask_fn)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        out = torch.matmul(p, repeat_kv(v, g).to(s.dtype))
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+        s, g = self._scores(q, k, lo, hi, scale)
+        acc = s.dtype
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+        dout = dout.to(acc)
+        vv = repeat_kv(v, g).to(acc)
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+        dp = torch.matmul(dout, vv.transpose(-1, -2))
+        delta = (dout * out.to(acc)).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq = torch.matmul(ds, repeat_kv(k, g).to(acc)) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+        return dq, sum_groups(dk, g), sum_groups(dv, g)

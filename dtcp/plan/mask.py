@@ -1,0 +1,220 @@
+"""Masks in index form: the band, the task, and the whole-sequence mask.
+
+A *band* says which keys a query sees by their offset: key j is visible from query i iff
+lo <= j - i <= hi (None = unbounded). Full attention is (None, None); causal attention on a
+square block is (None, 0). Kernels speak flash-attn's *window* instead: (left, right), -1 =
+unbounded, aligned at the bottom-right corner of a q_len x k_len block (query i lines up with key
+i + k_len - q_len). `Band` converts between the two, in one place.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Band:
+    """Key j visible from query i iff lo <= j - i <= hi (None = unbounded)."""
+
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+
+    @staticmethod
+    def from_window(window: tuple[int, int], is_causal: bool = False) -> "Band":
+        """The band of a whole-sequence flash-attn window (left, right), -1 = unbounded; causal caps
+        the right side at 0 (flash-attn's convention: causal + window (left, -1 or 0) = (left, 0))."""
+        left, right = window
+        hi = None if right < 0 else right
+        if is_causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return Band(None if left < 0 else -left, hi)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """Inverse of from_window: (left, right), -1 = unbounded."""
+        return (-1 if self.lo is None else -self.lo, -1 if self.hi is None else self.hi)
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo is None and self.hi is None
+
+    @staticmethod
+    def from_aligned_window(q_len: int, k_len: int, window: tuple[int, int]) -> "Band":
+        """The band that a bottom-right aligned window gives on a q_len x k_len block."""
+        left, right = window
+        shift = k_len - q_len
+        return Band(None if left < 0 else shift - left, None if right < 0 else shift + right)
+
+    def aligned_window(self, q_len: int, k_len: int) -> tuple[int, int]:
+        """The bottom-right aligned window (left, right) that gives this band on a q_len x k_len
+        block; -1 = unbounded. A negative bound other than -1 means no such window exists."""
+        shift = k_len - q_len
+        return (-1 if self.lo is None else shift - self.lo, -1 if self.hi is None else self.hi - shift)
+
+    def normalized(self, q_len: int, k_len: int) -> "Band":
+        """The same visibility on a q_len x k_len block, with bounds that cannot bind dropped."""
+        lo = None if self.lo is not None and self.lo <= -(q_len - 1) else self.lo
+        hi = None if self.hi is not None and self.hi >= k_len - 1 else self.hi
+        return Band(lo, hi)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One local kernel call: out[q_start:q_end] <- attention(q[q_start:q_end], k[k_start:k_end],
+    v[k_start:k_end]) under band (lo, hi), in indices relative to the two slices."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+
+    @property
+    def q_len(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def k_len(self) -> int:
+        return self.k_end - self.k_start
+
+    @property
+    def band(self) -> Band:
+        return Band(self.lo, self.hi)
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo is None and self.hi is None
+
+    @property
+    def is_square_causal(self) -> bool:
+        return self.lo is None and self.hi == 0 and self.q_len == self.k_len
+
+    @property
+    def is_bottom_right_causal(self) -> bool:
+        """Causal aligned at the last key: key j visible from query i iff j - i <= k_len - q_len."""
+        return self.lo is None and self.hi == self.k_len - self.q_len
+
+    def visible(self, i: int, j: int) -> bool:
+        """Is key j (relative) visible from query i (relative)? For tests and docs."""
+        d = j - i
+        return (self.lo is None or d >= self.lo) and (self.hi is None or d <= self.hi)
+
+
+@dataclass(frozen=True)
+class AttnMask:
+    """Which keys a query sees, in global token positions.
+
+    Key j is visible from query i iff `lo <= j - i <= hi` (None = unbounded) and i and j lie in
+    the same segment. `segments` are sorted, disjoint [start, end) ranges (documents); a token in
+    no segment is padding: it sees nothing and nobody sees it. segments=None: one document."""
+
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+    segments: Optional[tuple[tuple[int, int], ...]] = None
+
+    @staticmethod
+    def make(is_causal: bool, window: tuple[int, int] = (-1, -1), segments=None) -> "AttnMask":
+        """From SDPA/flash-attn arguments (see Band.from_window)."""
+        band = Band.from_window(window, is_causal)
+        return AttnMask(band.lo, band.hi, None if segments is None else tuple(segments))
+
+    @property
+    def band(self) -> Band:
+        return Band(self.lo, self.hi)
+
+    @property
+    def is_plain(self) -> bool:
+        """No window and no documents: full or causal attention."""
+        return self.lo is None and self.segments is None and self.hi in (None, 0)
+
+    def visible(self, i: int, j: int) -> bool:
+        d = j - i
+        if (self.lo is not None and d < self.lo) or (self.hi is not None and d > self.hi):
+            return False
+        if self.segments is None:
+            return True
+        k = bisect.bisect_right(self.segments, (i, float("inf"))) - 1
+        return k >= 0 and self.segments[k][0] <= min(i, j) and max(i, j) < self.segments[k][1]
+
+
+def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Task]:
+    """Tasks of queries held as the global runs `q_run_list` (in local order) against keys held as
+    `k_run_list`: one band task per (query run, document, key run) with a visible pair, trimmed
+    to its visible rows and columns. Within a run local order is global order, so a global band is
+    a band in slice indices. Only key runs inside the document and the window's reach are looked
+    at. Every task is trimmed: each query row sees at least one key and each key column is seen
+    by at least one query, so kernels never see a fully masked row."""
+    lo, hi = mask.lo, mask.hi
+    segs = mask.segments if mask.segments is not None else ((0, seq_len),)
+    seg_starts = [a for a, _ in segs]
+    k_runs, ko = [], 0
+    for ka, kb in k_run_list:
+        k_runs.append((ka, kb, ko))
+        ko += kb - ka
+    k_starts = [ka for ka, _, _ in k_runs]  # runs are in increasing global order
+    tasks = []
+    qo = 0
+    for qa, qb in q_run_list:
+        for ds, de in segs[max(bisect.bisect_right(seg_starts, qa) - 1, 0):]:
+            if ds >= qb:
+                break
+            # keys this document and the band allow for these queries
+            key_lo = max(ds, qa + lo) if lo is not None else ds
+            key_hi = min(de, qb + hi) if hi is not None else de
+            for ka, kb, ko in k_runs[max(bisect.bisect_right(k_starts, key_lo) - 1, 0):]:
+                if ka >= key_hi:
+                    break
+                i0, i1, j0, j1 = max(qa, ds), min(qb, de), max(ka, ds), min(kb, de)
+                if i0 >= i1 or j0 >= j1:
+                    continue
+                # rows that see some key in [j0, j1): j0 - hi <= i <= j1 - 1 - lo
+                if hi is not None:
+                    i0 = max(i0, j0 - hi)
+                if lo is not None:
+                    i1 = min(i1, j1 - lo)
+                if i0 >= i1:
+                    continue
+                # columns seen by some kept row; bands are monotone, so every kept row keeps
+                # its visible keys and no row empties
+                if lo is not None:
+                    j0 = max(j0, i0 + lo)
+                if hi is not None:
+                    j1 = min(j1, i1 + hi)
+                if j0 >= j1:
+                    continue
+                off = j0 - i0  # slice-relative band = global band - (key start - query start)
+                band = Band(None if lo is None else lo - off, None if hi is None else hi - off)
+                band = band.normalized(i1 - i0, j1 - j0)
+                tasks.append(Task(qo + i0 - qa, qo + i1 - qa, ko + j0 - ka, ko + j1 - ka, band.lo, band.hi))
+        qo += qb - qa
+    return coalesce_full(tasks)
+
+
+def coalesce_full(tasks: list[Task]) -> list[Task]:
+    """Merge full tasks that tile a larger rectangle (fewer, larger kernel calls)."""
+    changed = True
+    while changed:
+        changed = False
+        for x in range(len(tasks)):
+            a = tasks[x]
+            if not a.is_full:
+                continue
+            for y in range(len(tasks)):
+                b = tasks[y]
+                if y == x or not b.is_full:
+                    continue
+                if (a.k_start, a.k_end) == (b.k_start, b.k_end) and a.q_end == b.q_start:
+                    m = Task(a.q_start, b.q_end, a.k_start, a.k_end)
+                elif (a.q_start, a.q_end) == (b.q_start, b.q_end) and a.k_end == b.k_start:
+                    m = Task(a.q_start, a.q_end, a.k_start, b.k_end)
+                else:
+                    continue
+                tasks = [t for i, t in enumerate(tasks) if i not in (x, y)] + [m]
+                changed = True
+                break
+            if changed:
+                break
+    return sorted(tasks, key=lambda t: (t.q_start, t.k_start))

@@ -1,0 +1,148 @@
+"""Compiled models whose sequence length and batch size change every step, as training loops do
+(packing to variable lengths, evaluation at another length, length curricula): equal to eager, no
+graph break, and at most one recompile after the first compile, then none. With automatic dynamic
+shapes, `dynamic=True` and `torch._dynamo.mark_dynamic`; the ring, the all-gather schedule (traced
+while shapes are static), windows and documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from reference import rel_err
+
+DIM = 16
+
+
+class Block(torch.nn.Module):
+    """Projections around one dtcp.ring_attention call, as a model layer has them."""
+
+    def __init__(self, layout="zigzag", kv_exchange="auto", window=None, hq=4, hkv=2):
+        super().__init__()
+        self.hq, self.hkv, self.hd = hq, hkv, DIM // hq
+        self.q = torch.nn.Linear(DIM, hq * self.hd, bias=False)
+        self.kv = torch.nn.Linear(DIM, 2 * hkv * self.hd, bias=False)
+        self.o = torch.nn.Linear(hq * self.hd, DIM, bias=False)
+        self.layout, self.kv_exchange, self.window = dtcp.layout_from_spec(layout), kv_exchange, window
+
+    def forward(self, x, cu_seqlens=None):  # x: (B, S_local, DIM)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.hq, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.hkv, self.hd).permute(2, 0, 3, 1, 4)
+        y = dtcp.ring_attention(q, k, v, layout=self.layout, is_causal=True, enable_gqa=True,
+                                kv_exchange=self.kv_exchange, window_size=self.window, cu_seqlens=cu_seqlens)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+# (batch, local length) per step: the second step changes both, so automatic dynamic shapes mark
+# both dynamic at once; sizes 1 are avoided (dynamo specializes dims of size 1).
+STEPS = [(2, 8), (3, 12), (2, 16), (4, 4), (3, 20), (2, 8)]
+
+
+def changing_shapes(compile_backend, mode, layout="zigzag", kv_exchange="auto", window=None, documents=False,
+                    dtype_name="float64"):
+    """Per step: eager vs compiled output and parameter gradients; frames compiled after each step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    dtype = getattr(torch, dtype_name)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = Block(layout, kv_exchange, window).to(dtype)
+    model = Block(layout, kv_exchange, window).to(dtype)
+    model.load_state_dict(eager.state_dict())
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True if mode == "dynamic" else None)
+    n = dist.get_world_size()
+    errs, frames = [], []
+    for step, (b, s_local) in enumerate(STEPS):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        x = torch.randn(b, s_local, DIM, generator=g, dtype=dtype)
+        cu = None
+        if documents:  # a new document structure every step, as many boundaries as the step has
+            s = s_local * n
+            cuts = sorted({(s * (i + 1)) // (step + 3) for i in range(step + 2)} - {0, s})
+            cu = torch.tensor([0, *cuts, s], dtype=torch.int32)
+        if mode == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+        ye, yc = eager(x, cu), compiled(x, cu)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        errs.append(rel_err(yc, ye))
+        for pe, pc in zip(eager.parameters(), model.parameters()):
+            errs.append(rel_err(pc.grad, pe.grad))
+            pe.grad = pc.grad = None
+        frames.append(counter.frame_count)
+    return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def check(results, tol):
+    for r in results:
+        assert r["graph_breaks"] == 0, r
+        assert r["max_err"] < tol, r
+        # the first compile, at most one recompile (at the second step), then none
+        assert r["frames"][-1] <= 2 and r["frames"][-1] == r["frames"][1], r
+
+
+@pytest.mark.parametrize("mode", ["automatic", "dynamic", "mark_dynamic"])
+@pytest.mark.parametrize("layout,kv_exchange", [("zigzag", "ring"), ("zigzag", "allgather"), ("contiguous", "ring")])
+def test_changing_shapes_aot_eager(mode, layout, kv_exchange):
+    check(run_ranks(2, changing_shapes, "aot_eager", mode, layout, kv_exchange, timeout=300), 1e-12)
+
+
+def test_changing_shapes_with_window_and_documents_aot_eager():
+    check(run_ranks(2, changing_shapes, "aot_eager", "automatic", "contiguous", "ring", (5, 0), True, timeout=300),
+          1e-12)
+    check(run_ranks(2, changing_shapes, "aot_eager", "dynamic", "zigzag", "allgather", None, True, timeout=300), 1e-12)
+
+
+def test_changing_shapes_inductor():
+    check(run_ranks(2, changing_shapes, "inductor", "automatic", "zigzag", "ring", dtype_name="float32", timeout=600),
+          1e-5)
+
+
+def test_changing_shapes_four_ranks():
+    check(run_ranks(4, changing_shapes, "aot_eager", "automatic", "zigzag", "ring", timeout=300), 1e-12)
+
+
+# ---- DocZigzag: a new document structure every batch ----------------------------------------------
+
+def doc_zigzag_compiled(compile_backend):
+    """flash_attn_varlen_func over DocZigzag shards, compiled once, with a new document structure
+    (and padded length) every batch: equal to eager, no graph break, at most one recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def attn(q, k, v, layout):
+        return dtcp.flash_attn_varlen_func(q, k, v, None, causal=True, layout=layout)
+
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(attn, backend=counter, fullgraph=True)
+    errs, frames = [], []
+    # the second batch changes both the number of documents and the padded length (so both become
+    # dynamic at once), as batches do in training
+    for step, docs in enumerate([(5, 3, 9), (2, 15), (4, 4, 9), (6, 6, 5, 1), (17,), (3, 3, 3, 3, 3)]):
+        layout = dtcp.DocZigzag(docs)
+        g = torch.Generator().manual_seed(step)
+        q, k, v = (torch.randn(sum(docs), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        local = [layout.shard_packed(t, dim=0) for t in (q, k, v)]
+        le = [t.clone().requires_grad_() for t in local]
+        lc = [t.clone().requires_grad_() for t in local]
+        oe, oc = attn(*le, layout), compiled(*lc, layout)
+        oe.sum().backward()
+        oc.sum().backward()
+        errs += [rel_err(oc, oe)] + [rel_err(c.grad, e.grad) for c, e in zip(lc, le)]
+        frames.append(counter.frame_count)
+    return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_doc_zigzag_new_documents_every_batch_compiled():
+    check(run_ranks(2, doc_zigzag_compiled, "aot_eager", timeout=300), 1e-12)
