@@ -139,6 +139,15 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> l
         raise
 
 
+def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Run fn on a pool of its own, closed afterwards (for tests that tear down the default group)."""
+    pool = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        pool.close()
+
+
 def close_all() -> None:
     for pool in _POOLS.values():
         pool.close()

@@ -1,0 +1,126 @@
+"""The copy-engine transport's contract, checked on CPU with a stand-in that enforces it over gloo:
+the ring asks for its receive buffers only from slots already sized for them (K/V when a route is
+built, float32 dK/dV before the first backward exchange, in their own region so that growing one
+never moves the other), every exchange between neighbours receives into those slots, and a
+forward-only run never allocates dK/dV slots. (The real transport runs on the GPUs:
+tests/gpu/test_gpu_suite.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from reference import reference_attention, rel_err
+
+
+class ContractCopyEngine:
+    """CopyEngineRing's interface over gloo point-to-point, refusing anything the real one cannot do."""
+
+    def __init__(self, state):
+        self.state, self.pg = state, state.comm_group()
+        self.regions: dict = {}  # kind -> (slot_bytes, [two lists of views])
+        self.events: list = []
+
+    def ensure(self, kind, slot_bytes):
+        self.events.append(("ensure", kind, slot_bytes))
+        if kind not in self.regions or self.regions[kind][0] < slot_bytes:
+            self.regions[kind] = (slot_bytes, {})
+
+    def buffers(self, like, kind):
+        need = sum(t.numel() * t.element_size() for t in like)
+        if kind not in self.regions or self.regions[kind][0] < need:
+            raise AssertionError(f"buffers({kind}) of {need} bytes before the {kind} slots were sized: {self.events}")
+        self.events.append(("buffers", kind, need))
+        views = self.regions[kind][1]
+        key = tuple((t.shape, t.dtype) for t in like)
+        if key not in views:
+            views[key] = [[torch.empty_like(t, memory_format=torch.contiguous_format) for t in like] for _ in range(2)]
+        return views[key]
+
+    def _is_slot(self, recv, kind) -> bool:
+        return any(recv[0] is pair[0] for views in self.regions[kind][1].values() for pair in views)
+
+    def exchange(self, send, recv, shift, kind):
+        if not self._is_slot(recv, kind):
+            raise AssertionError(f"a {kind} exchange received outside the {kind} slots")
+        self.events.append(("exchange", kind))
+        n, r = self.state.size, self.state.rank
+        to = dist.get_global_rank(self.pg, (r + shift) % n)
+        frm = dist.get_global_rank(self.pg, (r - shift) % n)
+        ops = [dist.P2POp(dist.isend, t, to, self.pg) for t in send] + [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv]
+        return dist.batch_isend_irecv(ops)
+
+    def wait(self, works):
+        for w in works:
+            w.wait()
+
+    def drain(self):
+        pass
+
+
+def ring_over_contract(dtype_name, backward, window):
+    from dtcp.exec import route as route_mod
+
+    dtype = getattr(torch, dtype_name)
+    n = dist.get_world_size()
+    g = dist.new_group(list(range(n)))
+    engines = []
+
+    def stand_in(state, device):
+        if state.size == 1:
+            return None
+        engines.append(ContractCopyEngine(state))
+        return engines[-1]
+
+    saved = route_mod.copy_engine_ring
+    route_mod.copy_engine_ring = stand_in
+    try:
+        layout = dtcp.Contiguous() if window else dtcp.Zigzag()
+        s = 16 * n
+        gen = torch.Generator().manual_seed(3)
+        q, k, v, dout = (torch.randn(2, h, s, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = None
+        if window:
+            i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+            mask = (j <= i) & (j >= i - window[0])
+        out_ref, _ = reference_attention(*ref, is_causal=True, mask=mask)
+        out_ref.backward(dout)
+        local = [layout.shard(t, g, dim=2).to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True, kv_exchange="ring",
+                                  window_size=window)
+        errs = {"out": rel_err(out, layout.shard(out_ref, g, dim=2))}
+        if backward:
+            out.backward(layout.shard(dout, g, dim=2).to(dtype))
+            for name, t, r in zip(("dq", "dk", "dv"), local, ref):
+                errs[name] = rel_err(t.grad, layout.shard(r.grad, g, dim=2))
+    finally:
+        route_mod.copy_engine_ring = saved
+    (engine,) = engines
+    kv_local_bytes = 2 * local[1].numel() * local[1].element_size()
+    return {"errs": errs, "events": engine.events, "kv_bytes": kv_local_bytes,
+            "grad_bytes": 2 * local[1].numel() * 4 if dtype != torch.float64 else kv_local_bytes}
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "bfloat16"])
+@pytest.mark.parametrize("window", [None, (20, 0)], ids=["ring", "window"])
+def test_slots_are_sized_before_use(dtype_name, window):
+    for r in run_ranks(2, ring_over_contract, dtype_name, True, window, timeout=120):
+        events = r["events"]
+        kinds = [e[1] for e in events if e[0] == "exchange"]
+        assert "kv" in kinds and "grad" in kinds, events
+        sized = {kind: max(e[2] for e in events if e[0] == "ensure" and e[1] == kind) for kind in ("kv", "grad")}
+        assert sized["kv"] >= r["kv_bytes"] and sized["grad"] >= r["grad_bytes"], (sized, r)
+        first_grad_use = next(i for i, e in enumerate(events) if e[0] == "buffers" and e[1] == "grad")
+        assert any(e[0] == "ensure" and e[1] == "grad" for e in events[:first_grad_use]), events
+        tol = 1e-10 if dtype_name == "float64" else 2e-2
+        assert max(r["errs"].values()) < tol, r["errs"]
+
+
+def test_forward_only_allocates_no_gradient_slots():
+    for r in run_ranks(2, ring_over_contract, "float64", False, None, timeout=120):
+        assert not any(e[1] == "grad" for e in r["events"]), r["events"]
+        assert r["errs"]["out"] < 1e-10, r
