@@ -241,3 +241,42 @@ def test_ops_are_not_captured_in_cuda_graphs():
     assert tag is not None
     for op in (torch.ops.dtcp.ring_attention_forward.default, torch.ops.dtcp.ring_attention_backward.default):
         assert tag in op.tags, op
+
+
+# ---- a named kernel chooses the schedule ---------------------------------------------------------------
+def named_kernel_and_auto_exchange():
+    """Where auto would gather (as on CUDA with small K/V) but the named kernel cannot serve the
+    all-gather schedule's non-square causal blocks (cuDNN on GPUs, cpu_flash here), the ring is
+    taken; where no schedule serves the kernel, every rank raises before any data moves."""
+    from dtcp.exec import route as route_mod
+
+    n = dist.get_world_size()
+    saved = route_mod.exchange_candidates
+    route_mod.exchange_candidates = lambda requested, *a: ("allgather", "ring") if requested == "auto" else (requested,)
+    try:
+        g = dist.new_group(list(range(n)))
+        dtcp.comm_stats.reset()
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(1, h, 8 * n, 8, generator=gen, dtype=torch.float64) for h in (8, 2, 2))
+        want, _ = reference_attention(q, k, v, is_causal=True)
+        layout = dtcp.Zigzag()
+        local = [layout.shard(t, g, dim=2) for t in (q, k, v)]
+        out = dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True, backend="cpu_flash")
+        exchange = route_mod.route_for(*local, route_mod.CallArgs(g.group_name, "zigzag", True, 8 ** -0.5, "cpu_flash",
+                                                                  -1, -1, "auto"), None, "test").exchange
+        err = rel_err(out, layout.shard(want, g, dim=2))
+        dtcp.comm_stats.reset()
+        refused = _outcome(lambda: dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True,
+                                                       backend="cpu_flash", window_size=(3, 0)))
+        sent = dtcp.comm_stats.kv_bytes_sent
+    finally:
+        route_mod.exchange_candidates = saved
+    return {"exchange": exchange, "err": err, "refused": refused, "sent": sent}
+
+
+def test_named_kernel_picks_a_schedule_it_can_serve():
+    for r in run_ranks(2, named_kernel_and_auto_exchange, timeout=120):
+        assert r["exchange"] == "ring" and r["err"] < 1e-10, r
+        kind, message, _ = r["refused"]
+        assert kind == "ValueError" and "backend='cpu_flash' cannot serve" in message, r
+        assert r["sent"] == 0, r  # refused before any data moved
