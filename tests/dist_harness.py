@@ -1,4 +1,5 @@
-"""Multi-process test harness: a pool of spawned ranks (gloo, CPU) that runs test functions.
+"""Multi-process test harness: a pool of spawned ranks (gloo on CPU, or NCCL with one GPU per rank)
+that runs test functions.
 
     pool = RankPool(world_size=4)
     results = pool.run(my_check, arg1, arg2, timeout=120)   # list of per-rank return values
@@ -30,13 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, backend: str = "gloo") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -54,14 +58,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class RankPool:
-    def __init__(self, world_size: int, start_timeout: float = 180.0):
+    def __init__(self, world_size: int, start_timeout: float = 180.0, backend: str = "gloo"):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -112,36 +116,38 @@ class RankPool:
                 p.join(timeout=5)
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, str], RankPool] = {}
 
 
-def get_pool(world_size: int) -> RankPool:
-    """A live pool of `world_size` ranks, shared across tests."""
-    pool = _POOLS.get(world_size)
+def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
+    """A live pool of `world_size` ranks on `backend` ("gloo" on CPU, "nccl" one GPU each), shared
+    across tests."""
+    pool = _POOLS.get((world_size, backend))
     if pool is None or not pool.alive:
-        pool = RankPool(world_size)
-        _POOLS[world_size] = pool
+        pool = RankPool(world_size, backend=backend)
+        _POOLS[(world_size, backend)] = pool
     return pool
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
-    """Run fn on `world_size` gloo ranks; rebuild the pool if a previous failure left it broken."""
-    pool = get_pool(world_size)
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
+    """Run fn on `world_size` ranks; rebuild the pool if a previous failure left it broken."""
+    pool = get_pool(world_size, backend)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     except AssertionError:
         # A rank raised: the other ranks may be stuck in a collective with it. Start afresh.
         pool.close()
-        _POOLS.pop(world_size, None)
+        _POOLS.pop((world_size, backend), None)
         raise
     except TimeoutError:
-        _POOLS.pop(world_size, None)
+        _POOLS.pop((world_size, backend), None)
         raise
 
 
-def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
-    """Run fn on a pool of its own, closed afterwards (for tests that tear down the default group)."""
-    pool = RankPool(world_size)
+def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
+    """Run fn on a pool of its own, closed afterwards (for tests that tear down the default group,
+    or that leave a CUDA context unusable on purpose)."""
+    pool = RankPool(world_size, backend=backend)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     finally:

@@ -106,8 +106,11 @@ class CopyEngineRing:
         # before the compute stream (drain), so the caching allocator cannot hand their memory to
         # new compute-stream work while a copy engine still reads it.
         self._in_flight: list[torch.Tensor] = []
-        # Waits enqueued and not yet seen satisfied by the watchdog: (flag index, seq, time, what).
-        self.pending: list[tuple[int, int, float, str]] = []
+        # Waits enqueued and not yet seen satisfied by the watchdog: [flag index, seq, event recorded
+        # just before the wait, time the watchdog first saw that event done (the GPU reached the
+        # wait) or None, what it waits for]. Events are recycled through a free list.
+        self.pending: list[list] = []
+        self._free_events: list[int] = []
         self._lock = threading.Lock()
         self.released = False
         torch.cuda.synchronize(device)
@@ -195,8 +198,8 @@ class CopyEngineRing:
         d.write(side, self._flag_addr(prv, _flag_index(direction, 1, slot)), seq)
         # 2. wait until the next rank has freed its slot, copy into it, then flag it full
         free_flag = _flag_index(direction, 1, slot)
+        self._track(side, free_flag, seq, f"rank {nxt} to free its {kind} slot")
         d.wait(side, self._flag_addr(self.rank, free_flag), seq)
-        self._track(free_flag, seq, f"rank {nxt} to free its {kind} slot")
         dst = region.base[nxt] + (slot - _FIRST_SLOT[kind]) * region.slot_bytes
         for src in send:
             n = src.numel() * src.element_size()
@@ -212,8 +215,8 @@ class CopyEngineRing:
         direction, slot, seq, prv, kind = pending
         compute = torch.cuda.current_stream(self.device_index).cuda_stream
         full_flag = _flag_index(direction, 0, slot)
+        self._track(compute, full_flag, seq, f"{kind} data from rank {prv}")
         self.driver.wait(compute, self._flag_addr(self.rank, full_flag), seq)
-        self._track(full_flag, seq, f"{kind} data from rank {prv}")
 
     def drain(self) -> None:
         compute = torch.cuda.current_stream(self.device_index).cuda_stream
@@ -223,9 +226,16 @@ class CopyEngineRing:
         self._in_flight.clear()
 
     # ---- failure -----------------------------------------------------------------------------------
-    def _track(self, flag: int, seq: int, what: str) -> None:
+    def _track(self, stream: int, flag: int, seq: int, what: str) -> None:
+        """Record, on `stream`, an event just before a wait for `flag` >= `seq` (called before the
+        wait is enqueued), for the watchdog."""
         with self._lock:
-            self.pending.append((flag, seq, time.monotonic(), what))
+            event = self._free_events.pop() if self._free_events else None
+        if event is None:
+            event = self.driver.new_event()
+        self.driver.record(event, stream)
+        with self._lock:
+            self.pending.append([flag, seq, event, None, what])
 
     def release(self, stream: int) -> None:
         """Let every waiting stream of this rank go on: write every local flag far ahead, on
@@ -239,8 +249,9 @@ class CopyEngineRing:
             self.driver.write(stream, self.flags.data_ptr() + 4 * i, ahead)
 
     def stalled(self) -> Optional[str]:
-        """A watchdog pass: drop the waits that were satisfied; describe the oldest one if it has
-        waited longer than dtcp.config.timeout_s, else None."""
+        """A watchdog pass: drop the waits that were satisfied; describe one that the GPU has sat
+        in for longer than dtcp.config.timeout_s, else None. Time counts from when the GPU reached
+        the wait, not from when the host enqueued it: the host may run a whole step ahead."""
         if self.released:
             return None
         with self._lock:
@@ -249,14 +260,24 @@ class CopyEngineRing:
             return None
         with torch.cuda.device(self.device_index), torch.cuda.stream(self.release_stream):
             flags = self.flags.to("cpu").tolist()
-        done = {(f, s) for f, s, _, _ in pending if _reached(flags[f], s)}
+        now = time.monotonic()
+        stalled = None
+        for entry in pending:
+            flag, seq, event, reached_at, what = entry
+            if _reached(flags[flag], seq):
+                continue
+            if reached_at is None and self.driver.done(event):
+                entry[3] = reached_at = now
+            if reached_at is not None and now - reached_at > config.timeout_s and stalled is None:
+                stalled = what
         with self._lock:
-            self.pending = [p for p in self.pending if (p[0], p[1]) not in done]
-            oldest = self.pending[0] if self.pending else None
-        if oldest is None or time.monotonic() - oldest[2] <= config.timeout_s:
+            done = [e for e in self.pending if _reached(flags[e[0]], e[1])]
+            self.pending = [e for e in self.pending if not _reached(flags[e[0]], e[1])]
+            self._free_events.extend(e[2] for e in done)
+        if stalled is None:
             return None
         return (f"rank {self.rank} of process group {self.name!r} waited {config.timeout_s:g} s "
-                f"(dtcp.config.timeout_s) for {oldest[3]} on the copy-engine ring")
+                f"(dtcp.config.timeout_s) for {stalled} on the copy-engine ring")
 
 
 def _aligned(n: int, a: int = 256) -> int:

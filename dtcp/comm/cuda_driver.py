@@ -28,6 +28,7 @@ class Driver:
         self.event_create = self._fn(lib, "cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint])
         self.event_record = self._fn(lib, "cuEventRecord", [vp, vp])
         self.stream_wait_event = self._fn(lib, "cuStreamWaitEvent", [vp, vp, ctypes.c_uint])
+        self.event_query = self._fn(lib, "cuEventQuery", [vp])
 
     @staticmethod
     def _fn(lib, name, argtypes):
@@ -53,6 +54,16 @@ class Driver:
         ev = ctypes.c_void_p()
         self._check(self.event_create(ctypes.byref(ev), 0x2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
         return ev.value
+
+    def record(self, event: int, stream: int) -> None:
+        self._check(self.event_record(event, stream), "cuEventRecord")
+
+    def done(self, event: int) -> bool:
+        """Has the GPU passed the event's record point? (cuEventQuery: 0 done, 600 not ready.)"""
+        err = self.event_query(event)
+        if err not in (0, 600):
+            self._check(err, "cuEventQuery")
+        return err == 0
 
     def order(self, waiter: int, event: int, after: int) -> None:
         """Make stream `waiter` wait for the work enqueued so far on stream `after`."""

@@ -28,6 +28,7 @@ class RingComm:
         self.pg = state.comm_group()
         self.world_size, self.rank = state.size, state.rank
         self.copy_engine = copy_engine
+        self.exchanges = {"copy_engine": 0, "p2p": 0}  # by path taken, for tests and benchmarks
 
     def spare_buffers(self, like: list[torch.Tensor], kind: str) -> list[list[torch.Tensor]]:
         """Two receive buffers shaped like `like`. kind: "kv" or "grad" (separate slots). On the
@@ -46,7 +47,9 @@ class RingComm:
         shift = (shift + n // 2) % n - n // 2 if n > 1 else 0  # ranks may name a neighbour as +k or k - N
         STATS.count(kind, nbytes(send))
         if self.copy_engine is not None and abs(shift) == 1:
+            self.exchanges["copy_engine"] += 1
             return [("ce", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind))]
+        self.exchanges["p2p"] += 1
         to, frm = self._peer(shift), self._peer(-shift)
         ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.pg) for t in send]
         ops += [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv]

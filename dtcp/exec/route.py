@@ -69,7 +69,6 @@ class Route:
     def __init__(self, state: GroupState, exchange: str, plan: Plan, kernel: Kernel, signature: dict):
         self.state, self.exchange, self.plan, self.kernel = state, exchange, plan, kernel
         self.signature = signature
-        self._grad_slots_ready = False
 
     @property
     def rank(self) -> int:
@@ -89,12 +88,10 @@ class Route:
         comm = state.rings.get(device)
         if comm is None:
             comm = state.rings[device] = RingComm(state, device, copy_engine_ring(state, device))
-        if comm.copy_engine is not None:
-            kv_bytes = 2 * _aligned_nbytes(k)
-            comm.copy_engine.ensure("kv", kv_bytes)
-            if backward and not self._grad_slots_ready:
+        if comm.copy_engine is not None:  # (no-ops once the slots are large enough)
+            comm.copy_engine.ensure("kv", 2 * _aligned_nbytes(k))
+            if backward:
                 comm.copy_engine.ensure("grad", 2 * _aligned_nbytes(k, acc_dtype(k.dtype)))
-                self._grad_slots_ready = True
         return comm
 
 
