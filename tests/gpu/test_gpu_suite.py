@@ -33,10 +33,15 @@ def test_correctness_matrix_both_exchanges():
     error against float64, on the same rows (benchmarks/check_correctness.py)."""
     r = run_ranks(WORLD, matrix, ["flash", "cudnn"], ["ring", "allgather", "auto"], 4096, backend="nccl",
                   timeout=900)[0]
-    worst = max(max(row["ratio"].values()) for row in r["rows"])
-    print(f"\ncorrectness matrix: {len(r['rows']) - r['failures']} passed, {r['failures']} failed; "
+    ran = [row for row in r["rows"] if not row["refused"]]
+    worst = max(max(row["ratio"].values()) for row in ran)
+    print(f"\ncorrectness matrix: {sum(row['ok'] for row in ran)} passed, {r['failures']} failed, "
+          f"{len(r['rows']) - len(ran)} refused (an explicit exchange the named kernel cannot serve); "
           f"worst ratio to the kernel's own error {worst:.3f}")
     assert r["failures"] == 0, [row for row in r["rows"] if not row["ok"]]
+    for row in r["rows"]:
+        if row["refused"]:  # only cuDNN's causal blocks under the all-gather schedule are refused
+            assert row["backend"] == "cudnn" and row["kv_exchange"] == "allgather" and row["causal"], row
 
 
 # ---- copy-engine stress ------------------------------------------------------------------------------
@@ -68,9 +73,10 @@ def stress(steps: int, seed: int):
         lay = dtcp.layout_from_spec(layout)
         local = [lay.shard(t, dim=2).to("cuda", dtype) for t in full]
         results = {}
-        # plain masks: auto (cuDNN); windows: PyTorch's flash (auto would compile flex for the rare
-        # block FlashAttention-2 cannot take, once per new shape: minutes over 200 random steps)
-        fast = "auto" if window is None else "flash"
+        # PyTorch's flash for every mask: cuDNN builds an execution plan per new shape and auto
+        # would compile flex for the rare block FlashAttention-2 cannot take, each once per shape,
+        # which over 200 random shapes is minutes of planning and no more transport stress.
+        fast = "flash"
         try:
             for backend in (fast, "math"):
                 leaves = [t.clone().requires_grad_() for t in local[:3]]
