@@ -87,9 +87,16 @@ class RankPool:
         while len(values) + len(failures) < self.world_size:
             left = deadline - time.monotonic()
             try:
-                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+                rank, ok, value = self._results.get(timeout=min(max(left, 0.01), 1.0))
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(values) - set(failures))
+                dead = [r for r in missing if not self._procs[r].is_alive()]
+                if dead:  # a rank whose process ended without answering: report it at once
+                    for r in dead:
+                        failures[r] = f"rank {r} died (exit code {self._procs[r].exitcode})"
+                    continue
+                if time.monotonic() < deadline:
+                    continue
                 self.close()
                 msg = f"{what}: ranks {missing} did not answer within {timeout:.0f}s (pool killed)"
                 if failures:

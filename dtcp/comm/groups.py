@@ -47,7 +47,7 @@ class GroupState:
     @property
     def pg(self) -> "dist.ProcessGroup":
         pg = self._pg()
-        if pg is None:  # pragma: no cover - the state is dropped with its group
+        if pg is None:  # the state is dropped with its group; a watchdog pass may still hold it
             raise RuntimeError(f"dtcp: process group {self.name!r} no longer exists")
         return pg
 

@@ -12,11 +12,13 @@ on and stops at the health assertion that every dtcp call on CUDA enqueues at it
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-import time
 import weakref
 from typing import Optional
+
+from .. import _compat
 
 log = logging.getLogger("dtcp")
 
@@ -24,6 +26,7 @@ _PERIOD_S = 0.1
 _watched: "weakref.WeakSet" = weakref.WeakSet()
 _thread: Optional[threading.Thread] = None
 _lock = threading.Lock()
+_stop = threading.Event()
 
 
 def watch(state) -> None:
@@ -38,7 +41,8 @@ def watch(state) -> None:
 
 def check(state) -> None:
     """One pass over one group (the thread's body; tests call it directly)."""
-    if state.guard.failure is not None:
+    if state.guard.failure is not None or not _registered(state):
+        _watched.discard(state)  # failed already, or destroyed: nothing left to watch
         return
     for ring in list(state.copy_engines.values()):
         stalled = ring.stalled() if ring is not None else None
@@ -53,11 +57,26 @@ def check(state) -> None:
         state.guard.fail(f"another rank failed: {peer}")
 
 
+def _registered(state) -> bool:
+    try:
+        return _compat.group_from_name(state.name) is state.pg
+    except Exception:  # noqa: BLE001 - not registered any more (destroyed)
+        return False
+
+
 def _run() -> None:
-    while True:
-        time.sleep(_PERIOD_S)
+    while not _stop.wait(_PERIOD_S):
         for state in list(_watched):
             try:
                 check(state)
             except Exception:  # noqa: BLE001 - the watchdog must not die; the next pass retries
                 log.exception("dtcp: watchdog pass failed")
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the thread before the interpreter tears down CUDA and the stores it reads (a daemon
+    thread caught inside a CUDA or store call at exit takes the process down with it)."""
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=1.0)

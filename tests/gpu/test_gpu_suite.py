@@ -152,34 +152,47 @@ def inject(kind: str, transport: str, timeout_s: float):
         t0 = time.monotonic()
         try:
             if kind == "stall" and rank == n - 1:
-                time.sleep(timeout_s + 5)
+                time.sleep(2 * timeout_s + 5)  # until well after its peers failed the group
                 outcome["first"] = ("stayed away", "")
             else:
                 call()
                 outcome["first"] = ("returned", "")
-        except Exception as e:  # noqa: BLE001
-            outcome["first"] = (type(e).__name__, str(e)[:300])
+        except Exception as e:  # noqa: BLE001 - torch's AcceleratorError is a RuntimeError
+            outcome["first"] = (type(e).__name__ if not isinstance(e, RuntimeError) or type(e).__name__.startswith("Peer")
+                                else "RuntimeError", f"{type(e).__name__}: {str(e)[:300]}")
         outcome["seconds"] = time.monotonic() - t0
         try:
             call(backward=False)
             outcome["second"] = ("returned", "")
         except Exception as e:  # noqa: BLE001
-            outcome["second"] = (type(e).__name__, str(e)[:200])
+            outcome["second"] = ("GroupFailedError" if type(e).__name__ == "GroupFailedError" else
+                                 "RuntimeError" if isinstance(e, RuntimeError) else type(e).__name__, str(e)[:200])
     return {"rank": rank, **outcome}
 
 
 @pytest.mark.parametrize("kind,transport", [("raise", "ce"), ("stall", "ce"), ("raise", "nccl")])
 def test_failure_injection(kind, transport):
     """Every rank raises within the timeout (plus the watchdog's period): the failing rank its own
-    error, the others an error from the released GPU wait or the failed group; none hangs."""
+    error, the others an error from the released GPU wait or the failed group; none hangs. On the
+    NCCL transport the stream stopped by dtcp's assertion makes NCCL's own watchdog end the
+    process: the rank ends (quickly) instead of raising."""
     timeout_s = 10.0
-    results = run_in_fresh_pool(WORLD, inject, kind, transport, timeout_s, backend="nccl", timeout=300)
+    t0 = time.monotonic()
+    try:
+        results = run_in_fresh_pool(WORLD, inject, kind, transport, timeout_s, backend="nccl", timeout=300)
+    except AssertionError as e:
+        if transport != "nccl" or "died" not in str(e):
+            raise
+        print(f"\ninjection {kind}/{transport}: {time.monotonic() - t0:.1f} s including the pool's start; "
+              + "; ".join(line for line in str(e).splitlines() if "died" in line or "injected" in line))
+        assert time.monotonic() - t0 < 120
+        return
     for r in results:
         print(f"\ninjection {kind}/{transport} rank {r['rank']}: first {r['first'][0]} after {r['seconds']:.2f} s "
               f"({r['first'][1][:160]}); second call {r['second'][0]} ({r['second'][1][:120]})")
     for r in results:
         if kind == "stall" and r["rank"] == WORLD - 1:
-            assert r["second"][0] in ("GroupFailedError", "RuntimeError"), r
+            assert r["second"][0] == "GroupFailedError", r  # its watchdog saw the others' record
             continue
         assert r["first"][0] not in ("returned",), r
         assert r["seconds"] < timeout_s + 5, r
