@@ -124,3 +124,47 @@ def test_forward_only_allocates_no_gradient_slots():
     for r in run_ranks(2, ring_over_contract, "float64", False, None, timeout=120):
         assert not any(e[1] == "grad" for e in r["events"]), r["events"]
         assert r["errs"]["out"] < 1e-10, r
+
+
+# ---- the watchdog's view of the copy engines' GPU waits ---------------------------------------------
+class FakeEvents:
+    """Driver stand-in: an event is done once the test marks the point its stream reached."""
+
+    def __init__(self):
+        self.made, self.recorded, self.reached = 0, {}, set()
+
+    def new_event(self):
+        self.made += 1
+        return self.made
+
+    def record(self, event, stream):
+        self.recorded[event] = stream
+        self.reached.discard(event)  # re-recorded: not done until the stream gets there again
+
+    def done(self, event):
+        return event in self.reached
+
+
+def test_wait_tracker_times_a_wait_from_when_the_gpu_reaches_it():
+    from dtcp.comm.copy_engine import WaitTracker
+
+    ev = FakeEvents()
+    waits = WaitTracker(ev)
+    with waits.tracked("compute", "kv data from rank 1"):
+        pass
+    before, after, _, _ = waits.pending[0]
+    # The host enqueued the wait long ago but the GPU is still busy before it: no stall, however long.
+    assert waits.stalled(30.0, now=0.0) is None
+    assert waits.stalled(30.0, now=1000.0) is None
+    # The GPU reaches the wait at t=1000 (first seen then) and sits in it.
+    ev.reached.add(before)
+    assert waits.stalled(30.0, now=1000.0) is None
+    assert waits.stalled(30.0, now=1029.0) is None
+    assert waits.stalled(30.0, now=1031.0) == "kv data from rank 1"
+    # The data arrives: the wait is dropped and both events are recycled for the next wait.
+    ev.reached.add(after)
+    assert waits.stalled(30.0, now=1032.0) is None and waits.pending == []
+    with waits.tracked("side", "rank 1 to free its kv slot"):
+        pass
+    assert ev.made == 2 and waits.pending[0][:2] in ([before, after], [after, before])
+    assert waits.pending[0][0] not in ev.reached  # re-recorded events start not done

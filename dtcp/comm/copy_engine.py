@@ -21,8 +21,8 @@ dK + dV bytes) of the largest local block, i.e. 24 bytes per local token per K/V
 element for bf16 K/V (8 for the K/V slots, 16 for the dK/dV slots).
 
 Failure: the GPU waits above have no time limit of their own. dtcp's watchdog thread
-(dtcp/comm/watchdog.py) reads each ring's flags every 0.1 s (a tiny device-to-host copy on its own
-stream). When a wait the host enqueued has not been satisfied for `dtcp.config.timeout_s`, or
+(dtcp/comm/watchdog.py) queries, every 0.1 s, the two events that bracket each wait (never a copy
+from the GPU, which could queue behind the stuck stream). When a wait the host enqueued has not been satisfied for `dtcp.config.timeout_s`, or
 another rank posted an abort record, the group fails (dtcp/comm/groups.py): its health word is
 cleared and the ring *released*: every local flag is written far ahead, so every waiting stream goes
 on, and the assertion each dtcp call enqueues at its end stops this rank's stream before any result
@@ -31,6 +31,7 @@ is used. Every later dtcp call on the group raises GroupFailedError.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -57,11 +58,6 @@ _FIRST_SLOT = {"kv": 0, "grad": 2}
 
 def _flag_index(direction: int, kind: int, slot: int) -> int:
     return (direction * 2 + kind) * _NUM_SLOTS + slot
-
-
-def _reached(value: int, seq: int) -> bool:
-    """cuStreamWaitValue32's GEQ on 32-bit sequence numbers, wrap-around aware."""
-    return ((value - seq) & 0xFFFFFFFF) < 0x80000000
 
 
 class _Region:
@@ -101,16 +97,11 @@ class CopyEngineRing:
         self.stream_handles = [[s.cuda_stream for s in pair] for pair in self.streams]
         self.events_in = [[self.driver.new_event() for _ in range(2)] for _ in range(2)]
         self.events_out = [[self.driver.new_event() for _ in range(2)] for _ in range(2)]
-        self.release_stream = torch.cuda.Stream(device=device)
         # Tensors sent since the last drain: kept alive until the copies reading them are ordered
         # before the compute stream (drain), so the caching allocator cannot hand their memory to
         # new compute-stream work while a copy engine still reads it.
         self._in_flight: list[torch.Tensor] = []
-        # Waits enqueued and not yet seen satisfied by the watchdog: [flag index, seq, event recorded
-        # just before the wait, time the watchdog first saw that event done (the GPU reached the
-        # wait) or None, what it waits for]. Events are recycled through a free list.
-        self.pending: list[list] = []
-        self._free_events: list[int] = []
+        self.waits = WaitTracker(self.driver)  # every GPU wait, for the watchdog
         self._lock = threading.Lock()
         self.released = False
         torch.cuda.synchronize(device)
@@ -198,8 +189,8 @@ class CopyEngineRing:
         d.write(side, self._flag_addr(prv, _flag_index(direction, 1, slot)), seq)
         # 2. wait until the next rank has freed its slot, copy into it, then flag it full
         free_flag = _flag_index(direction, 1, slot)
-        self._track(side, free_flag, seq, f"rank {nxt} to free its {kind} slot")
-        d.wait(side, self._flag_addr(self.rank, free_flag), seq)
+        with self.waits.tracked(side, f"rank {nxt} to free its {kind} slot"):
+            d.wait(side, self._flag_addr(self.rank, free_flag), seq)
         dst = region.base[nxt] + (slot - _FIRST_SLOT[kind]) * region.slot_bytes
         for src in send:
             n = src.numel() * src.element_size()
@@ -215,8 +206,8 @@ class CopyEngineRing:
         direction, slot, seq, prv, kind = pending
         compute = torch.cuda.current_stream(self.device_index).cuda_stream
         full_flag = _flag_index(direction, 0, slot)
-        self._track(compute, full_flag, seq, f"{kind} data from rank {prv}")
-        self.driver.wait(compute, self._flag_addr(self.rank, full_flag), seq)
+        with self.waits.tracked(compute, f"{kind} data from rank {prv}"):
+            self.driver.wait(compute, self._flag_addr(self.rank, full_flag), seq)
 
     def drain(self) -> None:
         compute = torch.cuda.current_stream(self.device_index).cuda_stream
@@ -226,17 +217,6 @@ class CopyEngineRing:
         self._in_flight.clear()
 
     # ---- failure -----------------------------------------------------------------------------------
-    def _track(self, stream: int, flag: int, seq: int, what: str) -> None:
-        """Record, on `stream`, an event just before a wait for `flag` >= `seq` (called before the
-        wait is enqueued), for the watchdog."""
-        with self._lock:
-            event = self._free_events.pop() if self._free_events else None
-        if event is None:
-            event = self.driver.new_event()
-        self.driver.record(event, stream)
-        with self._lock:
-            self.pending.append([flag, seq, event, None, what])
-
     def release(self, stream: int) -> None:
         """Let every waiting stream of this rank go on: write every local flag far ahead, on
         `stream` (after the group's health word was cleared there). Idempotent."""
@@ -249,35 +229,64 @@ class CopyEngineRing:
             self.driver.write(stream, self.flags.data_ptr() + 4 * i, ahead)
 
     def stalled(self) -> Optional[str]:
-        """A watchdog pass: drop the waits that were satisfied; describe one that the GPU has sat
-        in for longer than dtcp.config.timeout_s, else None. Time counts from when the GPU reached
-        the wait, not from when the host enqueued it: the host may run a whole step ahead."""
+        """A watchdog pass (see WaitTracker.stalled): the wait this rank's GPU has sat in for
+        longer than dtcp.config.timeout_s, described, else None."""
         if self.released:
             return None
-        with self._lock:
-            pending = list(self.pending)
-        if not pending:
-            return None
-        with torch.cuda.device(self.device_index), torch.cuda.stream(self.release_stream):
-            flags = self.flags.to("cpu").tolist()
-        now = time.monotonic()
-        stalled = None
-        for entry in pending:
-            flag, seq, event, reached_at, what = entry
-            if _reached(flags[flag], seq):
-                continue
-            if reached_at is None and self.driver.done(event):
-                entry[3] = reached_at = now
-            if reached_at is not None and now - reached_at > config.timeout_s and stalled is None:
-                stalled = what
-        with self._lock:
-            done = [e for e in self.pending if _reached(flags[e[0]], e[1])]
-            self.pending = [e for e in self.pending if not _reached(flags[e[0]], e[1])]
-            self._free_events.extend(e[2] for e in done)
-        if stalled is None:
+        with torch.cuda.device(self.device_index):  # the driver's event queries need its context current
+            what = self.waits.stalled(config.timeout_s)
+        if what is None:
             return None
         return (f"rank {self.rank} of process group {self.name!r} waited {config.timeout_s:g} s "
-                f"(dtcp.config.timeout_s) for {stalled} on the copy-engine ring")
+                f"(dtcp.config.timeout_s) for {what} on the copy-engine ring")
+
+
+class WaitTracker:
+    """The GPU waits of one ring, for the watchdog: each is bracketed by an event recorded just
+    before it and one just after, on the waiting stream. The watchdog only queries events: reading
+    the flags would be a device-to-host copy, which can queue behind the very stream that is stuck.
+    Events are recycled once both are done. `driver` needs new_event, record and done."""
+
+    def __init__(self, driver):
+        self.driver = driver
+        self.pending: list[list] = []  # [event before, event after, time first seen reached or None, what]
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def tracked(self, stream, what: str):
+        """Bracket the wait enqueued inside the block on `stream`."""
+        with self._lock:
+            events = [self._free.pop() if self._free else None for _ in range(2)]
+        before, after = (e if e is not None else self.driver.new_event() for e in events)
+        self.driver.record(before, stream)
+        yield
+        self.driver.record(after, stream)
+        with self._lock:
+            self.pending.append([before, after, None, what])
+
+    def stalled(self, timeout_s: float, now: Optional[float] = None) -> Optional[str]:
+        """Drop the waits the GPU has passed; return what a wait it has sat in for longer than
+        `timeout_s` waits for, else None. Time counts from when a pass first saw the GPU reach the
+        wait, not from when the host enqueued it: the host may run a whole step ahead."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            pending = list(self.pending)
+        passed, stalled = [], None
+        for entry in pending:
+            before, after, reached_at, what = entry
+            if self.driver.done(after):
+                passed.append(entry)
+                continue
+            if reached_at is None and self.driver.done(before):
+                entry[2] = reached_at = now
+            if reached_at is not None and now - reached_at > timeout_s and stalled is None:
+                stalled = what
+        with self._lock:
+            gone = {id(e) for e in passed}
+            self.pending = [e for e in self.pending if id(e) not in gone]
+            self._free.extend(ev for e in passed for ev in e[:2])
+        return stalled
 
 
 def _aligned(n: int, a: int = 256) -> int:
