@@ -31,16 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, backend: str = "gloo") -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_backend: str = "gloo") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared machines
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
+        if pg_backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+        dist.init_process_group(pg_backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -58,14 +58,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, backend: str 
 
 
 class RankPool:
-    def __init__(self, world_size: int, start_timeout: float = 180.0, backend: str = "gloo"):
+    def __init__(self, world_size: int, start_timeout: float = 180.0, pg_backend: str = "gloo"):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, backend), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, pg_backend), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -126,35 +126,36 @@ class RankPool:
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
 
-def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
-    """A live pool of `world_size` ranks on `backend` ("gloo" on CPU, "nccl" one GPU each), shared
-    across tests."""
-    pool = _POOLS.get((world_size, backend))
+def get_pool(world_size: int, pg_backend: str = "gloo") -> RankPool:
+    """A live pool of `world_size` ranks on `pg_backend` ("gloo" on CPU, "nccl" one GPU each),
+    shared across tests."""
+    pool = _POOLS.get((world_size, pg_backend))
     if pool is None or not pool.alive:
-        pool = RankPool(world_size, backend=backend)
-        _POOLS[(world_size, backend)] = pool
+        pool = RankPool(world_size, pg_backend=pg_backend)
+        _POOLS[(world_size, pg_backend)] = pool
     return pool
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
-    """Run fn on `world_size` ranks; rebuild the pool if a previous failure left it broken."""
-    pool = get_pool(world_size, backend)
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, pg_backend: str = "gloo", **kwargs) -> list:
+    """Run fn on `world_size` ranks (fn's keyword arguments pass through; `pg_backend` is the
+    process group's); rebuild the pool if a previous failure left it broken."""
+    pool = get_pool(world_size, pg_backend)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     except AssertionError:
         # A rank raised: the other ranks may be stuck in a collective with it. Start afresh.
         pool.close()
-        _POOLS.pop((world_size, backend), None)
+        _POOLS.pop((world_size, pg_backend), None)
         raise
     except TimeoutError:
-        _POOLS.pop((world_size, backend), None)
+        _POOLS.pop((world_size, pg_backend), None)
         raise
 
 
-def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, backend: str = "gloo", **kwargs) -> list:
+def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, pg_backend: str = "gloo", **kwargs) -> list:
     """Run fn on a pool of its own, closed afterwards (for tests that tear down the default group,
     or that leave a CUDA context unusable on purpose)."""
-    pool = RankPool(world_size, backend=backend)
+    pool = RankPool(world_size, pg_backend=pg_backend)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     finally:

@@ -31,7 +31,7 @@ def matrix(backends, exchanges, seq_len):
 def test_correctness_matrix_both_exchanges():
     """Every backend x exchange x layout x causal x heads case within 1.5x the same kernel's own
     error against float64, on the same rows (benchmarks/check_correctness.py)."""
-    r = run_ranks(WORLD, matrix, ["flash", "cudnn"], ["ring", "allgather", "auto"], 4096, backend="nccl",
+    r = run_ranks(WORLD, matrix, ["flash", "cudnn"], ["ring", "allgather", "auto"], 4096, pg_backend="nccl",
                   timeout=900)[0]
     ran = [row for row in r["rows"] if not row["refused"]]
     worst = max(max(row["ratio"].values()) for row in ran)
@@ -100,7 +100,7 @@ def stress(steps: int, seed: int):
 
 def test_copy_engine_stress_200_steps():
     t0 = time.monotonic()
-    results = run_ranks(WORLD, stress, 200, 7, backend="nccl", timeout=900)
+    results = run_ranks(WORLD, stress, 200, 7, pg_backend="nccl", timeout=900)
     seconds = time.monotonic() - t0
     for r in results:
         print(f"\nstress rank {r['rank']}: {seconds:.0f} s, {r['skipped']} of 200 steps refused by flash, "
@@ -179,7 +179,7 @@ def test_failure_injection(kind, transport):
     timeout_s = 10.0
     t0 = time.monotonic()
     try:
-        results = run_in_fresh_pool(WORLD, inject, kind, transport, timeout_s, backend="nccl", timeout=300)
+        results = run_in_fresh_pool(WORLD, inject, kind, transport, timeout_s, pg_backend="nccl", timeout=300)
     except AssertionError as e:
         if transport != "nccl" or "died" not in str(e):
             raise
