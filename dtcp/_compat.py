@@ -7,6 +7,7 @@ module imports nothing from dtcp.
 
 from __future__ import annotations
 
+import importlib
 from datetime import timedelta
 from typing import Optional
 
@@ -171,6 +172,27 @@ def flash_attention_differentiable(q, k, v, is_causal: bool, scale: float):
     logsumexp (B, H, L) float32): checked in the schema of 2.11+cu130 and 2.13."""
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
     return res[0], res[1]
+
+
+def flash_varlen_forward_differentiable(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """(out (Tq, Hq, D), lse (Hq, Tq)) of aten._flash_attention_forward on packed sequences, with
+    its registered autograd (derivatives.yaml), traceable by torch.compile; causal is bottom-right
+    per sequence. Checked on 2.11+cu130 (H200) and in the 2.13 schema."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                          scale=scale)
+    return out, flash_varlen_lse(lse, q)
+
+
+def assert_async(flag: torch.Tensor, message: str) -> None:
+    """Enqueue a check that `flag` (a one-element device tensor) is nonzero; a zero stops the
+    device with `message` (a device-side assertion) without synchronising the host.
+    torch._assert_async(tensor, msg): a CUDA kernel on 2.11+cu130; checked on 2.13 (CPU)."""
+    torch._assert_async(flag, message)
+
+
+def symm_mem_available() -> None:
+    """Raise where torch has no symmetric memory (CPU builds, old releases)."""
+    importlib.import_module("torch.distributed._symmetric_memory")
 
 
 def cudnn_ops():

@@ -50,8 +50,9 @@ def ring_attention(
 
     Args:
         q: (B, Hq, S_local, D) this rank's queries.
-        k, v: (B, Hkv, S_local, D) this rank's keys and values; Hkv divides Hq (GQA needs
-            ``enable_gqa=True``, as in SDPA). K/V travel with Hkv heads.
+        k: (B, Hkv, S_local, D) this rank's keys; Hkv divides Hq (GQA needs ``enable_gqa=True``,
+            as in SDPA). K/V travel with Hkv heads.
+        v: (B, Hkv, S_local, D) this rank's values.
         group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default group).
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
             dtcp.DocZigzag(doc_lens)).
@@ -132,15 +133,22 @@ def flash_attn_varlen_func(
     """flash-attn's `flash_attn_varlen_func` for a packed sequence sharded over a CP group.
 
     Args:
-        q: (T_local, Hq, D) this rank's packed tokens; k, v: (T_local, Hkv, D), Hkv dividing Hq.
+        q: (T_local, Hq, D) this rank's packed tokens.
+        k: (T_local, Hkv, D), Hkv dividing Hq.
+        v: (T_local, Hkv, D).
         cu_seqlens: (num_docs + 1,) int32 global document boundaries of the whole packed
             sequence (one tensor for q and k: this is self-attention); None with a DocZigzag
             layout, which carries its documents.
         max_seqlen: accepted for flash-attn compatibility and not needed (the planner reads
             the boundaries themselves).
-        causal, window_size, softmax_scale: as in flash-attn (window (left, right), -1 unbounded).
-        group, layout, backend, kv_exchange: as in `ring_attention`; the default layout is
-            contiguous, where a window needs the fewest rounds.
+        causal: causal attention, as in flash-attn.
+        window_size: (left, right), -1 unbounded, as in flash-attn.
+        softmax_scale: as in flash-attn; default 1/sqrt(D).
+        group: as in `ring_attention`.
+        layout: as in `ring_attention`; the default is contiguous, where a window needs the fewest rounds.
+        backend: as in `ring_attention`.
+        return_lse: also return the log-sum-exp.
+        kv_exchange: as in `ring_attention`.
 
     Returns:
         out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.

@@ -308,7 +308,7 @@ def copy_engine_ring(state, device: torch.device) -> Optional[CopyEngineRing]:
     else:
         try:
             driver()
-            import torch.distributed._symmetric_memory  # noqa: F401
+            _compat.symm_mem_available()
         except Exception as e:  # noqa: BLE001 - no libcuda stream memory ops, no symmetric memory module, ...
             why = f"{type(e).__name__}: {e}"
     ring = None

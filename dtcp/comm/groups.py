@@ -70,8 +70,8 @@ class GroupState:
             word = self.health[device.index] = torch.ones((), dtype=torch.int32, device=device)
             self._release_streams[device.index] = torch.cuda.Stream(device=device)
             watchdog.watch(self)
-        torch._assert_async(word, "dtcp: this rank's dtcp call could not finish because the process group failed "
-                                  "(see the 'dtcp:' error logged above)")
+        _compat.assert_async(word, "dtcp: this rank's dtcp call could not finish because the process group failed "
+                                   "(see the 'dtcp:' error logged above)")
 
     def _abort_communication(self) -> None:
         """Runs once when the group fails (any thread): clear the health words first, then let

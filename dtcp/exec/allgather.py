@@ -258,8 +258,9 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
     # straight into the rank-major layout the reduce-scatter sends.
     dkv = torch.zeros((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
-    torch.ops.aten.index_put_(dkv.transpose(0, 1), [None, packing.key_rank, packing.key_row],
-                              torch.stack((dk, dv)).to(acc), True)
+    index = (packing.key_rank, packing.key_row)
+    dkv[:, 0].index_put_(index, dk.to(acc), accumulate=True)
+    dkv[:, 1].index_put_(index, dv.to(acc), accumulate=True)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
     return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),

@@ -93,9 +93,8 @@ def flash_varlen_differentiable(q, k, v, packed: PackedTasks, scale: float):
     aten._flash_attention_forward launch over the packed sequences (autograd registered in
     derivatives.yaml; causal is bottom-right per sequence)."""
     cu_q, cu_k = packed.cu_seqlens(packed.q_lens, q.device), packed.cu_seqlens(packed.k_lens, q.device)
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max(packed.q_lens), max(packed.k_lens), 0.0, packed.causal, False, scale=scale)
-    return out, _compat.flash_varlen_lse(lse, q)
+    return _compat.flash_varlen_forward_differentiable(q, k, v, cu_q, cu_k, max(packed.q_lens), max(packed.k_lens),
+                                                       packed.causal, scale)
 
 
 def allgather_attention_traced_one_launch(q, k, v, pg, plan: AllGatherPlan, scale: float, attention=None):
