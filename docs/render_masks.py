@@ -1,6 +1,6 @@
 """Render each rank's attention mask as dtcp's schedule computes it, coloured by block pattern.
 
-    python docs/render_masks.py                       # writes docs/window_masks.png (needs matplotlib)
+    python docs/render_masks.py                       # writes docs/images/window_masks.png (needs matplotlib)
     python docs/render_masks.py --ascii               # prints the same pictures as text
 
 Rows: the rank's queries; columns: all keys of the sequence (global positions). Each visible
@@ -103,6 +103,6 @@ def png(path):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--ascii", action="store_true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "window_masks.png"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "images", "window_masks.png"))
     a = p.parse_args()
     ascii_art() if a.ascii else png(a.out)

@@ -1,4 +1,4 @@
-"""The traced all-gather as one varlen launch (allgather_traced.allgather_attention_traced_one_launch).
+"""The traced all-gather as one varlen launch (dtcp.exec.traced.allgather_attention_traced_one_launch).
 
 On GPUs the launch is PyTorch's flash varlen kernel (run on H200s: benchmarks/bench_traced_one_launch.py);
 here a float64 reference varlen function with the same interface stands in for it, so that
