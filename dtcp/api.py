@@ -18,10 +18,8 @@ from .comm import state_of
 from .exec.route import CallArgs
 from .frontends.window import current_window
 from .kernels import default_scale
-from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec
+from .layouts import DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, check_window, layout_from_spec
 from .plan import check_kv_exchange
-
-_DEFAULT_LAYOUT = Zigzag()
 
 
 def ring_attention(
@@ -30,7 +28,7 @@ def ring_attention(
     v: torch.Tensor,
     group: GroupLike = None,
     *,
-    layout: Union[Layout, str] = _DEFAULT_LAYOUT,
+    layout: Union[Layout, str] = DEFAULT_LAYOUT,
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -59,7 +57,7 @@ def ring_attention(
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
-            "cudnn", "fa2" (flash-attn package), "flex" (flex_attention); see docs/backends.md.
+            "cudnn", "fa2" (flash-attn package), "flex" (flex_attention); see docs/guide/backends.md.
         return_lse: also return the log-sum-exp.
         window_size: (left, right) sliding window in flash-attn's convention (query i sees keys
             i - left .. i + right; -1 = unbounded; causal needs right = 0). Default: the window of

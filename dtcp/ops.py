@@ -183,17 +183,18 @@ class _AttentionEager(torch.autograd.Function):
         route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward")
         # When a backward will follow, keep the all-gather schedule's gathered K/V for it (one
         # collective and its reordering fewer per layer; dtcp/exec/allgather.py for the memory).
-        out, lse, kept = run_forward(route, q, k, v, args.scale, keep=any(ctx.needs_input_grad[:3]))
+        out, lse, gathered_kv = run_forward(route, q, k, v, args.scale,
+                                            keep_gathered_kv=any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.route, ctx.kept, ctx.scale = route, kept, args.scale
+        ctx.route, ctx.gathered_kv, ctx.scale = route, gathered_kv, args.scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None  # released as soon as it is used
-        grads = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, kept=kept)
+        gathered_kv, ctx.gathered_kv = ctx.gathered_kv, None  # released as soon as it is used
+        grads = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, gathered_kv=gathered_kv)
         return grads + (None, None)
 
 

@@ -48,7 +48,7 @@ class RingComm:
         STATS.count(kind, nbytes(send))
         if self.copy_engine is not None and abs(shift) == 1:
             self.exchanges["copy_engine"] += 1
-            return [("ce", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind))]
+            return [("copy_engine", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind))]
         self.exchanges["p2p"] += 1
         to, frm = self._peer(shift), self._peer(-shift)
         ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.pg) for t in send]
@@ -57,7 +57,7 @@ class RingComm:
 
     def wait(self, works: list) -> None:
         for w in works:
-            if isinstance(w, tuple) and w[0] == "ce":
+            if isinstance(w, tuple) and w[0] == "copy_engine":
                 self.copy_engine.wait(w[1])
             else:
                 w.wait()

@@ -32,11 +32,8 @@ import torch
 
 from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
 from ..kernels import Kernel, VarlenSeqs, acc_dtype
+from ..kernels.base import seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
-
-
-def _rows(t0: int, t1: int):
-    return (slice(None), slice(None), slice(t0, t1))
 
 
 def _bounded_put(cache: dict, key, value, limit: int = 64):
@@ -88,30 +85,30 @@ def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: f
     kv = gather_kv(k, v, pg, plan)
     outs, lses = [], []
     for task in plan.tasks:
-        ks = _rows(task.k_start, task.k_end)
-        o, l = kernel.forward(q[_rows(task.q_start, task.q_end)], kv[0][ks], kv[1][ks], task.lo, task.hi, scale)
+        ks = seq_slice(task.k_start, task.k_end)
+        o, l = kernel.forward(q[seq_slice(task.q_start, task.q_end)], kv[0][ks], kv[1][ks], task.lo, task.hi, scale)
         outs.append(o)
         lses.append(l)
-    kept = kv if keep_kv else None
+    gathered = kv if keep_kv else None
     if plan.rows_tiled:
         # Contiguous, as the op's fake promises (cat makes a fresh tensor; a lone task's output
         # may be a transposed view).
         if len(outs) == 1:
-            return outs[0].to(q.dtype).contiguous(), lses[0].to(acc).contiguous(), kept
-        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).to(acc), kept
+            return outs[0].to(q.dtype).contiguous(), lses[0].to(acc).contiguous(), gathered
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).to(acc), gathered
     # Rows in no task see no key (padding under a document mask): out 0 and lse 0, as the ring.
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.zeros(q.shape[:-1], dtype=acc, device=q.device)
     for task, o, l in zip(plan.tasks, outs, lses):
-        qs = _rows(task.q_start, task.q_end)
+        qs = seq_slice(task.q_start, task.q_end)
         out[qs] = o
         lse[qs] = l
-    return out, lse, kept
+    return out, lse, gathered
 
 
 def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel: Kernel, scale: float,
                        kv: Optional[torch.Tensor] = None):
-    """Gradients of allgather_forward (kv: its kept K/V, or None to gather them again).
+    """Gradients of allgather_forward (kv: the K/V it gathered and kept, or None to gather again).
     Returns dq, dk, dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
@@ -121,7 +118,7 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
     dkv = torch.zeros((2, b, h, plan.seq_len, d), dtype=acc, device=k.device)
     dqs = []
     for task in plan.tasks:
-        qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
+        qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
         dq_t, dk_t, dv_t = kernel.backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs],
                                            task.lo, task.hi, scale)
         dqs.append(dq_t)
@@ -134,7 +131,7 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
     else:
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         for task, dq_t in zip(plan.tasks, dqs):
-            dq[_rows(task.q_start, task.q_end)] = dq_t
+            dq[seq_slice(task.q_start, task.q_end)] = dq_t
     # Global order -> rank-major, rank first for the reduce-scatter: (N, 2, B, Hkv, L, D).
     _, to_rank_major = _orders(plan, k.device)
     if to_rank_major is not None:
@@ -190,7 +187,7 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     return packing
 
 
-def _pack_rows(x: torch.Tensor) -> torch.Tensor:
+def _packseq_slice(x: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B*L, H, D): the query rows of the sequences, in order."""
     b, h, l_len, d = x.shape
     return x.transpose(1, 2).reshape(b * l_len, h, d)
@@ -202,7 +199,7 @@ def _contiguous(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(view.shape, dtype=dtype, device=view.device).copy_(view)
 
 
-def _unpack_rows(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
+def _unpackseq_slice(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
     """(B*L, H, D) -> (B, H, L, D) contiguous, in `dtype`."""
     b, h, l_len, d = shape
     return _contiguous(packed.view(b, l_len, h, d).transpose(1, 2), dtype)
@@ -235,14 +232,14 @@ def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, 
     varlen_backward (else None)."""
     packing = _packing(plan, q.device)
     kv = gather_packed_kv(k, v, pg, plan, packing)
-    out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale)
-    out, lse = _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
+    out, lse = kernel.varlen_forward(_packseq_slice(q), kv[0], kv[1], packing.seqs, plan.window, scale)
+    out, lse = _unpackseq_slice(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
     return out, lse, (kv if keep_kv else None)
 
 
 def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
                     kv: Optional[torch.Tensor] = None):
-    """Gradients of varlen_forward (kv: its kept packed K/V, or None to gather again).
+    """Gradients of varlen_forward (kv: the packed K/V it gathered and kept, or None to gather again).
     Returns dq, dk, dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
@@ -251,7 +248,7 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     if kv is None:
         kv = gather_packed_kv(k, v, pg, plan, packing)
     dq, dk, dv = kernel.varlen_backward(
-        _pack_rows(dout), _pack_rows(q), kv[0], kv[1], _pack_rows(out), _pack_lse(lse), packing.seqs, plan.window,
+        _packseq_slice(dout), _packseq_slice(q), kv[0], kv[1], _packseq_slice(out), _pack_lse(lse), packing.seqs, plan.window,
         scale,
     )
     del kv
@@ -263,5 +260,5 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     dkv[:, 1].index_put_(index, dv.to(acc), accumulate=True)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
-    return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
+    return (_unpackseq_slice(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))

@@ -25,15 +25,12 @@ import torch
 
 from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
+from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from .merge import merge_into_
 
 
-def _rows(t0: int, t1: int):
-    return (slice(None), slice(None), slice(t0, t1))
-
-
-def _covers_all_rows(step, local_len: int) -> bool:
+def _covers_allseq_slice(step, local_len: int) -> bool:
     return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
 
 
@@ -50,9 +47,9 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm):
         if t < plan.num_rounds:
             works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
         for task in step.tasks:
-            qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
+            qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale)
-            if out_acc is None and _covers_all_rows(step, q.shape[2]):
+            if out_acc is None and _covers_allseq_slice(step, q.shape[2]):
                 # First result covering every row: it *is* the running result (no merge needed).
                 # Contiguous, as the op's fake promises (Tensor.to returns self when the dtype
                 # already matches, whatever the strides).
@@ -91,53 +88,53 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(list(cur), "kv") if rounds else []
     # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
-    home = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-    grad_bufs = comm.spare_buffers(list(home), "grad") if rounds else []
-    grad_works = None
+    own_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+    dkv_bufs = comm.spare_buffers(list(own_dkv), "grad") if rounds else []
+    dkv_works = None
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
 
     for t, step in enumerate(plan.steps):
         kv_works = None
         if t < rounds:
             kv_works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
-        shares = []
+        block_grads = []  # this step's dK/dV for the block held, per task
         for task in step.tasks:
-            qs, ks = _rows(task.q_start, task.q_end), _rows(task.k_start, task.k_end)
+            qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
             dq_t, dk_t, dv_t = kernel.backward(
                 dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale
             )
             dq[qs] += dq_t
-            shares.append((ks, dk_t, dv_t))
+            block_grads.append((ks, dk_t, dv_t))
             del dq_t, dk_t, dv_t
         if t == 0:
-            grad = home
+            travelling = own_dkv  # the own block's gradients never leave
         else:
-            grad = grad_bufs[t % 2]
+            travelling = dkv_bufs[t % 2]  # the held block's dK/dV accumulator
             if plan.starts_chain(t) or not moves:
                 comm.drain()  # the buffer may still be being sent from
-                grad[0].zero_()
-                grad[1].zero_()
+                travelling[0].zero_()
+                travelling[1].zero_()
             else:
-                comm.wait(grad_works)  # this block's travelling dK/dV has arrived in grad
-            grad_works = None
-        for ks, dk_t, dv_t in shares:
-            grad[0][ks] += dk_t
-            grad[1][ks] += dv_t
-        del shares
+                comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
+            dkv_works = None
+        for ks, dk_t, dv_t in block_grads:
+            travelling[0][ks] += dk_t
+            travelling[1][ks] += dv_t
+        del block_grads
         if t > 0 and moves:
             if t < rounds and not plan.starts_chain(t + 1):
                 # Pass it on to the block's next holder; it arrives while that rank computes.
-                grad_works = comm.exchange(list(grad), list(grad_bufs[(t + 1) % 2]), step.shift, "grad")
+                dkv_works = comm.exchange(list(travelling), list(dkv_bufs[(t + 1) % 2]), step.shift, "grad")
             else:
-                # End of a chain: send it home (to the block's source) and take in our own. The
-                # other dK/dV buffer is free here (its last send was waited on in this step).
-                back = grad_bufs[(t + 1) % 2]
+                # End of a chain: send it to the block's owner and take in ours. The other dK/dV
+                # buffer is free here (its last send was waited on in this step).
+                returned = dkv_bufs[(t + 1) % 2]
                 # (src - rank is the same for every rank modulo N, so all take the same path.)
-                comm.wait(comm.exchange(list(grad), list(back), step.src - plan.rank, "grad"))
-                home[0].add_(back[0])
-                home[1].add_(back[1])
+                comm.wait(comm.exchange(list(travelling), list(returned), step.src - plan.rank, "grad"))
+                own_dkv[0].add_(returned[0])
+                own_dkv[1].add_(returned[1])
         if kv_works is not None:
             comm.wait(kv_works)
             cur = spare[t % 2]
     comm.finish()
-    return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+    return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype)

@@ -211,20 +211,21 @@ def _plan_and_kernel(exchange, layout, q, k, args: CallArgs, row_segments, n: in
 
 
 # ---- running -------------------------------------------------------------------------------------
-def run_forward(route: Route, q, k, v, scale: float, keep: bool = False):
-    """(out, lse, kept): kept is what the backward may reuse (the all-gather schedule's gathered
-    K/V) when `keep`, else None."""
+def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = False):
+    """(out, lse, gathered_kv): with `keep_gathered_kv`, the all-gather schedule's gathered K/V for
+    the backward to reuse (None for the ring)."""
     with on_device_of(q), _failures(route, "forward"):
         comm = route.ring_comm(q, k, backward=False) if _has_ring(route.plan) else None
-        result = _forward(route, route.plan, q, k, v, scale, keep, comm)
+        result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm)
         _end_of_call(route, q)
         return result
 
 
-def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, kept=None):
+def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, gathered_kv=None):
+    """(dq, dk, dv); `gathered_kv`: what run_forward kept, or None to gather again."""
     with on_device_of(q), _failures(route, "backward"):
         comm = route.ring_comm(q, k, backward=True) if _has_ring(route.plan) else None
-        result = _backward(route, route.plan, dout, q, k, v, out, lse, scale, kept, comm)
+        result = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
         _end_of_call(route, q)
         return result
 
@@ -243,30 +244,32 @@ def _has_ring(plan) -> bool:
     return isinstance(plan, RingPlan) and plan.num_rounds > 0
 
 
-def _forward(route, plan, q, k, v, scale, keep, comm):
+def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm):
     if isinstance(plan, VarlenPlan):
-        return varlen_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep)
+        return varlen_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv)
     if isinstance(plan, AllGatherPlan):
-        return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep)
+        return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv)
     if isinstance(plan, RingPlan):
         return ring_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL) + (None,)
     # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
     # the same calls in the same order on every rank
-    rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep, comm) for b, p in enumerate(plan)]
+    rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep_gathered_kv, comm)
+            for b, p in enumerate(plan)]
     return (torch.cat([o for o, _, _ in rows]), torch.cat([lse for _, lse, _ in rows]),
-            [kept for _, _, kept in rows] if keep else None)
+            [kv for _, _, kv in rows] if keep_gathered_kv else None)
 
 
-def _backward(route, plan, dout, q, k, v, out, lse, scale, kept, comm):
+def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm):
     if isinstance(plan, VarlenPlan):
-        return varlen_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=kept)
+        return varlen_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=gathered_kv)
     if isinstance(plan, AllGatherPlan):
-        return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=kept)
+        return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale,
+                                  kv=gathered_kv)
     if isinstance(plan, RingPlan):
         return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL)
     grads = [
         _backward(route, p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), scale,
-                  None if kept is None else kept[b], comm)
+                  None if gathered_kv is None else gathered_kv[b], comm)
         for b, p in enumerate(plan)
     ]
     return tuple(torch.cat(g) for g in zip(*grads))

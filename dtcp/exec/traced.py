@@ -2,7 +2,7 @@
 
 Inside a compiled graph the custom op `dtcp::ring_attention_forward` runs its body as eager
 PyTorch: a few dozen operations of host time per attention call, which at short sequences costs
-more than the attention (measured in torchtitan's compiled debug model: see docs/torchtitan.md).
+more than the attention (docs/integrations/torchtitan.md has the measurement).
 When the all-gather schedule applies, the same computation written with a functional all-gather
 (whose backward is a reduce-scatter), slices and an aten attention op with registered autograd
 is traced into the graph instead: the compiler sees every operation, fuses the copies and derives

@@ -25,26 +25,22 @@ from collections import OrderedDict
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from .._groups import group_rank, group_size
 from ..api import ring_attention
-from ..layouts import Layout, Zigzag, layout_from_spec
+from ..layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
 from . import dtensor as _dt
 
 _SDPA_FUNCS = _compat.sdpa_functions()
-
-_DEFAULT_LAYOUT = Zigzag()
-
 
 # ---- mesh / group --------------------------------------------------------------------------
 
 
 def resolve_cp_mesh(mesh, mesh_dim: Union[str, int, None] = None):
     """(1-D cp DeviceMesh, its ProcessGroup) from a 1-D mesh, or an N-D mesh plus `mesh_dim`."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed DeviceMesh (init_device_mesh(...)); got {type(mesh).__name__}"
@@ -93,7 +89,7 @@ def _check_buffers(buffers, seq_dims, what: str = "buffer_seq_dims") -> tuple[li
 
 
 def shard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
-                  layout: Union[Layout, str] = _DEFAULT_LAYOUT, *, mesh_dim=None) -> list[torch.Tensor]:
+                  layout: Union[Layout, str] = DEFAULT_LAYOUT, *, mesh_dim=None) -> list[torch.Tensor]:
     """This rank's shard of each full buffer, split along its seq dim in `layout` order.
 
     Args:
@@ -117,7 +113,7 @@ def shard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]
 
 
 def unshard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
-                    layout: Union[Layout, str] = _DEFAULT_LAYOUT, *, mesh_dim=None) -> list[torch.Tensor]:
+                    layout: Union[Layout, str] = DEFAULT_LAYOUT, *, mesh_dim=None) -> list[torch.Tensor]:
     """Inverse of `shard_buffers`: all-gather each local shard (S/N along its seq dim) back to the
     full tensor in original token order. Differentiable (gradients flow back to the shards)."""
     _, pg = resolve_cp_mesh(mesh, mesh_dim)
@@ -133,7 +129,7 @@ def unshard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[in
 
 @torch.no_grad()
 def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], *,
-                             layout: Union[Layout, str] = _DEFAULT_LAYOUT, mesh_dim=None) -> list[torch.Tensor]:
+                             layout: Union[Layout, str] = DEFAULT_LAYOUT, mesh_dim=None) -> list[torch.Tensor]:
     """Same meaning as `torch.distributed.tensor.experimental.context_parallel_unshard`: the full
     tensors (original token order) of shards produced inside a `context_parallel` block with this
     `layout` (e.g. the model's output logits). No gradient, like PyTorch's."""
@@ -256,7 +252,7 @@ def context_parallel(
     no_restore_buffers: Optional[set] = None,
     *,
     mesh_dim: Union[str, int, None] = None,
-    layout: Union[Layout, str] = _DEFAULT_LAYOUT,
+    layout: Union[Layout, str] = DEFAULT_LAYOUT,
     backend: str = "auto",
     **ring_kwargs: Any,
 ) -> Iterator[ContextParallelHandle]:

@@ -27,8 +27,8 @@ KERNELS: dict[str, Kernel] = {
     for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel(), FlashAttnPackageKernel(), FlexKernel())
 }
 
-# Fastest first (H200: cuDNN ~2x PyTorch flash on Hopper; flex below both; the flash-attn
-# package's FA2 is the same algorithm as PyTorch's bundled flash). docs/performance.md.
+# Fastest first, by the measurements in docs/performance.md (Backends on H200); the flash-attn
+# package's FA2 is the same algorithm as PyTorch's bundled flash.
 AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "fa2", "flex", "math")}
 
 

@@ -100,6 +100,11 @@ class Kernel:
         return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
 
 
+def seq_slice(start: int, end: int) -> tuple:
+    """Index of sequence positions [start, end) of a (B, H, L, D) or (B, H, L) tensor."""
+    return (slice(None), slice(None), slice(start, end))
+
+
 def rows_to_block(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
 

@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .. import _compat
 from .base import Kernel, acc_dtype
@@ -28,8 +29,6 @@ _FLEX_BLOCK = 128
 def _compiled_flex():
     # The ring calls flex from inside a custom op's implementation: compiled here, at run time,
     # once per shape (the outer torch.compile never traces into the op).
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -52,8 +51,6 @@ def band_block_mask(lq: int, lk: int, lo: Optional[int], hi: Optional[int], devi
     arithmetic (O(blocks), no lq x lk mask is ever materialised). None = no mask."""
     if lo is None and hi is None:
         return None
-    from torch.nn.attention.flex_attention import BlockMask
-
     b = _FLEX_BLOCK
     nq, nk = math.ceil(lq / b), math.ceil(lk / b)
     q_first = torch.arange(nq) * b

@@ -17,7 +17,10 @@ from .striped import Striped
 from .zigzag import Zigzag
 
 __all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "layout_from_spec",
-           "check_window"]
+           "check_window", "DEFAULT_LAYOUT"]
+
+#: the layout of every function that takes one, unless told otherwise (balanced causal work)
+DEFAULT_LAYOUT = Zigzag()
 
 
 def layout_from_spec(spec: "str | Layout") -> Layout:

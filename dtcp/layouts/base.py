@@ -112,6 +112,18 @@ def positions_of(layout: Layout, seq_len: int, world_size: int, rank: int) -> to
     return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in runs])
 
 
+def check_boundaries(cu: "list[int] | tuple[int, ...]", fix: str) -> None:
+    """Document boundaries must start at 0 and never decrease (repeated values are empty
+    documents); raise a ValueError starting with `fix` otherwise."""
+    if len(cu) < 2:
+        raise ValueError(f"{fix}; got {len(cu)} value(s). One document: torch.tensor([0, S], dtype=torch.int32)")
+    if cu[0] != 0:
+        raise ValueError(f"{fix}; it starts at {cu[0]}, not 0")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"{fix}; it decreases at index {i} ({cu[i - 1]} -> {cu[i]})")
+
+
 def check_window(window, what: str = "window_size") -> tuple[int, int]:
     """A validated (left, right) window: ints >= -1, -1 meaning unbounded (flash-attn's convention:
     query i sees keys i - left .. i + right)."""

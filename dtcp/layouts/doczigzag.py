@@ -16,7 +16,7 @@ import torch
 
 from .._groups import GroupLike
 from . import sharding
-from .base import Layout
+from .base import Layout, check_boundaries
 from .zigzag import zigzag_runs
 
 
@@ -54,8 +54,7 @@ class DocZigzag(Layout):
     def from_cu_seqlens(cu_seqlens) -> "DocZigzag":
         """From global boundaries of the packed (unpadded) sequence: a list or an int tensor."""
         cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be 0 = c0 <= c1 <= ... <= cn (document boundaries); got {cu}")
+        check_boundaries(cu, "DocZigzag: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
         return DocZigzag(tuple(b - a for a, b in zip(cu, cu[1:])))
 
     def _padded(self, world_size: int) -> list[tuple[int, int, int]]:

@@ -9,24 +9,20 @@ as in cu_seqlens padded to a fixed size.
 
 from __future__ import annotations
 
+from ..layouts.base import check_boundaries
+
 _FIX = "cu_seqlens must be the global document boundaries of the packed sequence: 0 = c0 <= c1 <= ... <= cn = S"
 
 
 def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int, batch: int = 1) -> tuple[tuple[int, int], ...]:
     """Document ranges [start, end) from cumulative lengths, empty documents dropped; checks them."""
-    if len(cu) < 2:
-        raise ValueError(f"{_FIX}; got {len(cu)} value(s). One document: torch.tensor([0, S], dtype=torch.int32)")
-    if cu[0] != 0:
-        raise ValueError(f"{_FIX}; it starts at {cu[0]}, not 0")
+    check_boundaries(cu, _FIX)
     if cu[-1] != seq_len:
         per_row = f" (or B*S = {batch * seq_len}, each batch row with its own documents)" if batch > 1 else ""
         raise ValueError(
             f"{_FIX}{per_row}; it ends at {cu[-1]} but the sequence has S = {seq_len} tokens (S_local x world "
             "size). Pass the boundaries of the whole packed sequence, not of this rank's shard"
         )
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(f"{_FIX}; it decreases at index {i} ({cu[i - 1]} -> {cu[i]})")
     return tuple((a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a)
 
 

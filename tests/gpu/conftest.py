@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchma
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         return
-    skip = pytest.mark.skip(reason="needs 2 CUDA GPUs (run on the GPU machines: tests/gpu/README.md)")
+    skip = pytest.mark.skip(reason="needs 2 CUDA GPUs (docs/getting-started.md: run tests/gpu on the GPU machines)")
     for item in items:
         if os.path.dirname(str(item.fspath)) == HERE:
             item.add_marker(skip)

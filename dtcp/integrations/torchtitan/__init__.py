@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import _patches
@@ -271,8 +272,6 @@ def _apply_dtcp_without_cp(model: nn.Module, options: DtcpOptions) -> None:
     """CP=1 with a [dtcp] window: torchtitan's SDPA and varlen wrappers have no sliding window, so
     attention runs through the same dtcp op on a one-rank group of this process (whole sequences,
     nothing sent). Without a window, CP=1 stays torchtitan's own attention."""
-    import torch.distributed as dist
-
     group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     # One rank holds the whole sequence in order whatever the layout; contiguous has no
     # divisibility rule for seq_len.

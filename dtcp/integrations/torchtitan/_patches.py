@@ -6,6 +6,11 @@ release moves one of these, this is the module to change.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+from importlib.metadata import version
+
 TORCHTITAN_VERSION = "0.2.2"
 
 
@@ -19,10 +24,6 @@ def make_torchtitan_importable() -> None:
     functions raise; triton itself is not faked, so torch still sees that triton is absent.
     Has no effect where triton is installed or torchtitan is already imported.
     """
-    import importlib.util
-    import sys
-    import types
-
     name = "torchtitan.models.moe.kernels"
     if name in sys.modules or importlib.util.find_spec("triton") is not None:
         return
@@ -42,8 +43,6 @@ def make_torchtitan_importable() -> None:
 
 
 def torchtitan_version() -> str:
-    from importlib.metadata import version
-
     return version("torchtitan")
 
 
@@ -82,6 +81,8 @@ def patch_torchtitan_cp_shard(replacement) -> None:
     torchtitan.distributed.context_parallel to shard (inputs, labels, positions) and the
     attention masks. `replacement` receives the original as `replacement.torchtitan_cp_shard`
     for the meshes it does not own. Idempotent."""
+    # imported here, not at the top: this module must load before torchtitan does
+    # (make_torchtitan_importable runs first)
     import torchtitan.distributed.context_parallel as tt_cp
 
     current = tt_cp.cp_shard
