@@ -204,17 +204,18 @@ def cudnn_ops():
     )
 
 
-def flex_attention_with_lse(flex_fn, q, k, v, block_mask, scale, enable_gqa):
+def flex_attention_with_lse(flex_fn, q, k, v, block_mask, scale, enable_gqa, score_mod=None):
     """(out, lse) from flex_attention (or a torch.compile of it). torch.nn.attention.flex_attention
     takes return_aux=AuxRequest(lse=True) from 2.9 on (return_lse is deprecated there) and only
     return_lse before: checked on 2.11+cu130 and 2.13.0+cpu. lse is natural-log, float32."""
     from torch.nn.attention import flex_attention as fa
 
     if hasattr(fa, "AuxRequest"):
-        out, aux = flex_fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        out, aux = flex_fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                            return_aux=fa.AuxRequest(lse=True))
         return out, aux.lse
-    return flex_fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    return flex_fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                   return_lse=True)
 
 
 def flash_attn_package_ops():

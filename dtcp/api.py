@@ -37,6 +37,8 @@ def ring_attention(
     window_size: Optional[tuple[int, int]] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     kv_exchange: str = "auto",
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -50,7 +52,8 @@ def ring_attention(
         q: (B, Hq, S_local, D) this rank's queries.
         k: (B, Hkv, S_local, D) this rank's keys; Hkv divides Hq (GQA needs ``enable_gqa=True``,
             as in SDPA). K/V travel with Hkv heads.
-        v: (B, Hkv, S_local, D) this rank's values.
+        v: (B, Hkv, S_local, Dv) this rank's values; Dv may differ from D (MLA-style models), as in
+            SDPA (the math kernel, and kernels that declare it, take it).
         group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default group).
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
             dtcp.DocZigzag(doc_lens)).
@@ -78,16 +81,27 @@ def ring_attention(
             host time (contiguous and zigzag layouts). "auto" (default): "allgather" on CUDA when
             the whole sequence's K/V is at most dtcp.config.allgather_max_bytes (16 MiB) and the
             layout and kernel allow, else "ring". Both give the same result.
+        softcap: tanh capping of the scaled scores, ``softcap * tanh(score / softcap)``, before the
+            mask (Gemma 2's attention logit soft-capping); None (or 0) for none. Needs a kernel
+            that takes it (math, fa2, flex; ``backend="auto"`` finds one).
+        sinks: (Hq,) learnable attention-sink logits (gpt-oss's ``sinks``/``s_aux``): each joins
+            every row's softmax denominator once, with no value, unscaled and unmasked. Applied
+            once per row after merging the ring's blocks; gradients flow to it (each rank's rows'
+            share, like any parameter's under context parallelism: sum it over the group, e.g.
+            with FSDP over the cp ranks). Rows that see no key at all stay out 0, lse 0.
 
     Returns:
-        out (B, Hq, S_local, D), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
-        log, float32 (float64 for float64 inputs). lse is returned detached: it carries no gradient.
+        out (B, Hq, S_local, Dv), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
+        log, float32 (float64 for float64 inputs), including the sinks. lse is returned detached:
+        it carries no gradient.
     """
     layout = layout_from_spec(layout)
     pg = resolve_group(group)
     n = group_size(pg)
     try:
         _check_inputs(q, k, v, enable_gqa, scale)
+        softcap = _check_softcap(softcap)
+        _check_sinks(sinks, q)
         if scale is None:
             scale = default_scale(q.shape[-1])
         left, right = resolve_window(window_size, layout, is_causal)
@@ -107,8 +121,9 @@ def ring_attention(
     except (ValueError, TypeError) as e:
         _tell_peers(pg, n, e)
         raise
-    args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right, kv_exchange)
-    out, lse = ops.attention(q, k, v, args, cu_seqlens, group_rank(pg), n)
+    args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right,
+                    kv_exchange, softcap)
+    out, lse = ops.attention(q, k, v, args, cu_seqlens, group_rank(pg), n, sinks)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -127,6 +142,8 @@ def flash_attn_varlen_func(
     backend: str = "auto",
     return_lse: bool = False,
     kv_exchange: str = "auto",
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """flash-attn's `flash_attn_varlen_func` for a packed sequence sharded over a CP group.
 
@@ -147,6 +164,8 @@ def flash_attn_varlen_func(
         backend: as in `ring_attention`.
         return_lse: also return the log-sum-exp.
         kv_exchange: as in `ring_attention`.
+        softcap: as in flash-attn (0: none) and `ring_attention`.
+        sinks: (Hq,) attention-sink logits, as in `ring_attention`.
 
     Returns:
         out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.
@@ -166,6 +185,7 @@ def flash_attn_varlen_func(
     out, lse = ring_attention(
         q4, k4, v4, group, layout=layout, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
         backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens, kv_exchange=kv_exchange,
+        softcap=softcap or None, sinks=sinks,
     )
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out
@@ -197,6 +217,28 @@ def _tell_peers(pg, world_size: int, error: Exception) -> None:
         state_of(pg).guard.agree("dtcp.ring_attention", {}, status=f"{type(error).__name__}: {error}")
 
 
+def _check_softcap(softcap) -> float:
+    """The softcap as the op takes it: a positive float, or 0.0 for none."""
+    if softcap is None or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap == 0):
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number (scores become softcap * tanh(score / softcap)) or None; "
+                         f"got {softcap!r}")
+    return float(softcap)
+
+
+def _check_sinks(sinks, q) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.dim() != 1:
+        raise TypeError(f"sinks must be a 1-D floating-point tensor of one logit per query head; got "
+                        f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else (tuple(sinks.shape), sinks.dtype)}")
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks must have one logit per query head: q has {q.shape[1]} heads, sinks has {sinks.shape[0]}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}); got {sinks.device}")
+
+
 def _check_cu_seqlens(cu_seqlens) -> None:
     # Shape and dtype only: the values are checked inside the op, which reads them anyway
     # (reading them here would break torch.compile graphs).
@@ -226,8 +268,9 @@ def _check_inputs(q, k, v, enable_gqa, scale) -> None:
         raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}. Cast them first.")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim (which may differ, as in SDPA); "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch size differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
     if q.shape[2] != k.shape[2]:

@@ -47,15 +47,16 @@ def _cu_values(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
 
 # window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
 # document boundaries or None. kv_exchange: "auto", "ring" or "allgather" (dtcp/plan/exchange.py).
+# softcap: tanh capping of the scores (0: none); sinks: (Hq,) attention-sink logits or None.
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
-    kv_exchange: str = "auto",
+    kv_exchange: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
-    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward")
-    out, lse, _ = run_forward(route, q, k, v, scale)
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange, softcap)
+    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward", sinks)
+    out, lse, _ = run_forward(route, q, k, v, scale, sinks=sinks)
     return out, lse
 
 
@@ -65,9 +66,9 @@ ring_attention_forward = torch.library.custom_op("dtcp::ring_attention_forward",
 
 @ring_attention_forward.register_fake
 def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None,
-      kv_exchange="auto"):
+      kv_exchange="auto", softcap=0.0, sinks=None):
     # The real op returns fresh contiguous tensors; the fakes must have the same strides.
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("dtcp::ring_attention_backward", mutates_args=(), tags=_TAGS)
@@ -75,17 +76,20 @@ def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
-    kv_exchange: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
-    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention backward")
-    return run_backward(route, dout, q, k, v, out, lse, scale)
+    kv_exchange: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks."""
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange, softcap)
+    route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention backward", sinks)
+    dq, dk, dv, dsinks = run_backward(route, dout, q, k, v, out, lse, scale, sinks=sinks)
+    return dq, dk, dv, (q.new_empty(0) if dsinks is None else dsinks)
 
 
 @ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1,
-      cu_seqlens=None, kv_exchange="auto"):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      cu_seqlens=None, kv_exchange="auto", softcap=0.0, sinks=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
 
 # The forward op's arguments by name (defaults filled in), whatever the caller left out.
@@ -101,16 +105,22 @@ def _setup_context(ctx, inputs, output):
     cu = named["cu_seqlens"]
     # A private copy: a boundaries buffer the caller rewrites before the backward (a reused loader
     # buffer) must not change the backward's mask.
-    ctx.save_for_backward(named["q"], named["k"], named["v"], out, lse, None if cu is None else cu.clone())
-    ctx.args = {name: named[name] for name in _OP_ARG_NAMES if name != "cu_seqlens"}
+    ctx.save_for_backward(named["q"], named["k"], named["v"], out, lse, None if cu is None else cu.clone(),
+                          named["sinks"])
+    ctx.args = {name: named[name] for name in _OP_ARG_NAMES if name not in ("cu_seqlens", "sinks")}
     ctx.num_args = len(inputs) - 3
+    ctx.sinks_at = _OP_ARG_NAMES.index("sinks") if len(inputs) - 3 > _OP_ARG_NAMES.index("sinks") else None
 
 
 def _backward(ctx, dout, dlse):
     # lse is handed to users detached (see api.ring_attention), so dlse carries nothing.
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens, **ctx.args)
-    return (dq, dk, dv) + (None,) * ctx.num_args
+    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = ring_attention_backward(dout, q, k, v, out, lse, cu_seqlens=cu_seqlens, sinks=sinks,
+                                                 **ctx.args)
+    grads = [None] * ctx.num_args
+    if sinks is not None:
+        grads[ctx.sinks_at] = dsinks
+    return (dq, dk, dv, *grads)
 
 
 ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -125,8 +135,8 @@ _LIB = torch.library.Library("dtcp", "FRAGMENT")
 # of dtcp's source has its own cache entry.
 _LIB.define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
-    "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, int rank, "
-    "int world_size, str route) -> (Tensor, Tensor)"
+    "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, float softcap, "
+    "Tensor? sinks, int rank, int world_size, str route) -> (Tensor, Tensor)"
 )
 
 
@@ -155,10 +165,12 @@ def compiled_route_key() -> str:
 
 
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                              cu_seqlens, kv_exchange, rank, world_size, route):
+                              cu_seqlens, kv_exchange, softcap, sinks, rank, world_size, route):
     # Symbolic shapes (dynamic sequence lengths, batch sizes) take the custom op: its real
     # implementation sees concrete shapes at run time, and no plan or cache key holds a SymInt.
-    if route.startswith("traced") and cu_seqlens is None and _compat.all_concrete(q.shape, k.shape, v.shape):
+    # Softcap, sinks and a value head dim of its own have no traced form either.
+    plain = cu_seqlens is None and softcap == 0.0 and sinks is None and v.shape[-1] == q.shape[-1]
+    if route.startswith("traced") and plain and _compat.all_concrete(q.shape, k.shape, v.shape):
         args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
         planned = route_for(q, k, v, args, None, "dtcp.ring_attention (compiled)")
         if (planned.rank, planned.world_size) != (rank, world_size):
@@ -167,7 +179,7 @@ def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, bac
         if isinstance(planned.plan, AllGatherPlan) and traced_reason(planned.plan, planned.kernel, q) is None:
             return allgather_attention_traced(q, k, v, planned.comm_group(), planned.plan, planned.kernel, scale)
     return ring_attention_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                                  cu_seqlens, kv_exchange)
+                                  cu_seqlens, kv_exchange, softcap, sinks)
 
 
 _LIB.impl("ring_attention", _ring_attention_composite, "CompositeImplicitAutograd")
@@ -179,33 +191,36 @@ class _AttentionEager(torch.autograd.Function):
     The backward runs the forward's own route: the same plan even if `cu_seqlens` changed since."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args: CallArgs, cu_seqlens):
-        route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward")
+    def forward(ctx, q, k, v, sinks, args: CallArgs, cu_seqlens):
+        route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward", sinks)
         # When a backward will follow, keep the all-gather schedule's gathered K/V for it (one
         # collective and its reordering fewer per layer; dtcp/exec/allgather.py for the memory).
         out, lse, gathered_kv = run_forward(route, q, k, v, args.scale,
-                                            keep_gathered_kv=any(ctx.needs_input_grad[:3]))
-        ctx.save_for_backward(q, k, v, out, lse)
+                                            keep_gathered_kv=any(ctx.needs_input_grad[:3]), sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.route, ctx.gathered_kv, ctx.scale = route, gathered_kv, args.scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         gathered_kv, ctx.gathered_kv = ctx.gathered_kv, None  # released as soon as it is used
-        grads = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, gathered_kv=gathered_kv)
-        return grads + (None, None)
+        dq, dk, dv, dsinks = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, gathered_kv=gathered_kv,
+                                          sinks=sinks)
+        return dq, dk, dv, dsinks, None, None
 
 
-def attention(q, k, v, args: CallArgs, cu_seqlens: Optional[torch.Tensor], rank: int, world_size: int):
+def attention(q, k, v, args: CallArgs, cu_seqlens: Optional[torch.Tensor], rank: int, world_size: int,
+              sinks: Optional[torch.Tensor] = None):
     """(out, lse) of one call: compiled route, eager fast path or custom op (module docstring)."""
     op_args = (args.group_name, args.layout, args.is_causal, args.scale, args.backend, args.window_left,
-               args.window_right, cu_seqlens, args.kv_exchange)
+               args.window_right, cu_seqlens, args.kv_exchange, args.softcap, sinks)
     if torch.compiler.is_compiling():
         return torch.ops.dtcp.ring_attention(q, k, v, *op_args, rank, world_size, compiled_route_key())
-    if config.eager_fast_path and _compat.plain_eager_call(q, k, v, cu_seqlens):
-        return _AttentionEager.apply(q, k, v, args, cu_seqlens)
+    plain_sinks = sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)  # sinks are parameters
+    if config.eager_fast_path and plain_sinks and _compat.plain_eager_call(q, k, v, cu_seqlens):
+        return _AttentionEager.apply(q, k, v, sinks, args, cu_seqlens)
     return ring_attention_forward(q, k, v, *op_args)
 
 

@@ -75,7 +75,7 @@ def test_flex_backward_reweights_blocks_to_the_global_softmax(monkeypatch):
     blocks: [0, split) with band (None, split) and [split, L) with band (None, 0), so every row
     sees keys in both. The sum of the per-block backward with the merged out/lse equals the full
     gradient, in float64."""
-    monkeypatch.setattr(kernels_optional.FlexKernel, "_run", lambda self, q, k, v, lo, hi, scale:
+    monkeypatch.setattr(kernels_optional.FlexKernel, "_run", lambda self, q, k, v, lo, hi, scale, softcap=None:
                         _math_attention_with_lse(q, k, v, lo, hi, scale))
     torch.manual_seed(0)
     b, hq, hkv, length, d, split = 2, 4, 2, 24, 8, 10

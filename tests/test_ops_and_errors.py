@@ -42,7 +42,7 @@ def error_messages():
                                               torch.randn(1, 4, 3, 8, **f64), layout=dtcp.Zigzag()),
         "striped_block": lambda: dtcp.ring_attention(torch.randn(1, 4, 3, 8, **f64), torch.randn(1, 4, 3, 8, **f64),
                                                      torch.randn(1, 4, 3, 8, **f64), layout=dtcp.Striped(2)),
-        "kv_shape": lambda: dtcp.ring_attention(q, k, torch.randn(1, 2, 8, 4, **f64), enable_gqa=True),
+        "kv_shape": lambda: dtcp.ring_attention(q, k, torch.randn(1, 2, 6, 8, **f64), enable_gqa=True),
         "seq_mismatch": lambda: dtcp.ring_attention(q, torch.randn(1, 4, 6, 8, **f64), torch.randn(1, 4, 6, 8, **f64)),
         "heads_multiple": lambda: dtcp.ring_attention(q, torch.randn(1, 3, 8, 8, **f64), torch.randn(1, 3, 8, 8, **f64), enable_gqa=True),
         "gqa_flag": lambda: dtcp.ring_attention(q, k, k.clone()),
@@ -66,7 +66,7 @@ def error_messages():
 EXPECTED = {
     "uneven": "multiple of 4",  # zigzag over 2 ranks: 2N
     "striped_block": "multiple of 4",  # striped:2 over 2 ranks: N*block
-    "kv_shape": "k and v must have the same shape",
+    "kv_shape": "k and v must have the same shape but for the head dim",
     "seq_mismatch": "same local tokens",
     "heads_multiple": "multiple of the key/value heads",
     "gqa_flag": "enable_gqa=True",

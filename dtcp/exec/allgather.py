@@ -66,27 +66,42 @@ def _orders(plan: AllGatherPlan, device: torch.device) -> tuple[Optional[torch.T
     return cached
 
 
-def gather_kv(k, v, pg, plan: AllGatherPlan) -> torch.Tensor:
-    """(2, B, Hkv, S, D): every rank's K and V in global token order."""
-    b, h, l_len, d = k.shape
+def _packed(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V in one tensor, for one collective: stacked, (2, B, H, L, D), when their shapes match;
+    else side by side along the head dim, (1, B, H, L, D + Dv) (a value head dim of its own, MLA)."""
+    return torch.stack((k, v)) if k.shape == v.shape else torch.cat((k, v), dim=-1).unsqueeze(0)
+
+
+def _unpacked(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _packed (views): (K, V) from (2, ..., D) or (1, ..., D + Dv)."""
+    return (kv[0], kv[1]) if kv.shape[0] == 2 else (kv[0][..., :d], kv[0][..., d:])
+
+
+def gather_kv(k, v, pg, plan: AllGatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K (B, Hkv, S, D) and V (B, Hkv, S, Dv), in global token order."""
+    send = _packed(k, v)
+    parts, b, h, l_len, e = send.shape
     n = plan.world_size
-    gathered = all_gather_kv(torch.stack((k, v)), pg, n).view(n, 2, b, h, l_len, d)
-    # (N, 2, B, Hkv, L, D) -> (2, B, Hkv, N*L, D), rank-major along the sequence
-    kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, n * l_len, d)
+    gathered = all_gather_kv(send, pg, n).view(n, parts, b, h, l_len, e)
+    # (N, P, B, Hkv, L, E) -> (P, B, Hkv, N*L, E), rank-major along the sequence
+    kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(parts, b, h, n * l_len, e)
     to_global, _ = _orders(plan, k.device)
-    return kv if to_global is None else kv.index_select(3, to_global)
+    return _unpacked(kv if to_global is None else kv.index_select(3, to_global), k.shape[-1])
 
 
-def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float, keep_kv: bool = False):
-    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards. Returns out (B, Hq, L, D) in
-    q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the gathered K/V
-    (2, B, Hkv, S, D) for allgather_backward (else None)."""
+def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float, keep_kv: bool = False,
+                      softcap=None, sink=None):
+    """q: (B, Hq, L, D), k: (B, Hkv, L, D), v: (B, Hkv, L, Dv), this rank's shards; sink (Hq,) or
+    None, which the kernel adds (each row is one kernel call: no merge). Returns out
+    (B, Hq, L, Dv) in q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the
+    gathered (K, V) for allgather_backward (else None)."""
     acc = acc_dtype(q.dtype)
     kv = gather_kv(k, v, pg, plan)
     outs, lses = [], []
     for task in plan.tasks:
         ks = seq_slice(task.k_start, task.k_end)
-        o, l = kernel.forward(q[seq_slice(task.q_start, task.q_end)], kv[0][ks], kv[1][ks], task.lo, task.hi, scale)
+        o, l = kernel.forward(q[seq_slice(task.q_start, task.q_end)], kv[0][ks], kv[1][ks], task.lo, task.hi, scale,
+                              softcap=softcap, sink=sink)
         outs.append(o)
         lses.append(l)
     gathered = kv if keep_kv else None
@@ -97,7 +112,7 @@ def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: f
             return outs[0].to(q.dtype).contiguous(), lses[0].to(acc).contiguous(), gathered
         return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).to(acc), gathered
     # Rows in no task see no key (padding under a document mask): out 0 and lse 0, as the ring.
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.zeros(q.shape[:-1], dtype=acc, device=q.device)
     for task, o, l in zip(plan.tasks, outs, lses):
         qs = seq_slice(task.q_start, task.q_end)
@@ -107,40 +122,44 @@ def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: f
 
 
 def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel: Kernel, scale: float,
-                       kv: Optional[torch.Tensor] = None):
-    """Gradients of allgather_forward (kv: the K/V it gathered and kept, or None to gather again).
-    Returns dq, dk, dv in the input dtypes."""
+                       kv: Optional[tuple] = None, softcap=None):
+    """Gradients of allgather_forward, given its final out and lse (kv: the (K, V) it gathered and
+    kept, or None to gather again). Returns dq, dk, dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
     n = plan.world_size
     if kv is None:
         kv = gather_kv(k, v, pg, plan)
-    dkv = torch.zeros((2, b, h, plan.seq_len, d), dtype=acc, device=k.device)
+    parts = 2 if k.shape == v.shape else 1
+    dkv_all = torch.zeros((parts, b, h, plan.seq_len, d if parts == 2 else d + v.shape[-1]), dtype=acc,
+                          device=k.device)
+    dk_all, dv_all = _unpacked(dkv_all, d)
     dqs = []
     for task in plan.tasks:
         qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
         dq_t, dk_t, dv_t = kernel.backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs],
-                                           task.lo, task.hi, scale)
+                                           task.lo, task.hi, scale, softcap=softcap)
         dqs.append(dq_t)
-        dkv[0][ks] += dk_t
-        dkv[1][ks] += dv_t
+        dk_all[ks] += dk_t
+        dv_all[ks] += dv_t
         del dk_t, dv_t
-    del kv
+    del kv, dk_all, dv_all
     if plan.rows_tiled:
         dq = (dqs[0].contiguous() if len(dqs) == 1 else torch.cat(dqs, dim=2)).to(q.dtype)
     else:
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         for task, dq_t in zip(plan.tasks, dqs):
             dq[seq_slice(task.q_start, task.q_end)] = dq_t
-    # Global order -> rank-major, rank first for the reduce-scatter: (N, 2, B, Hkv, L, D).
+    # Global order -> rank-major, rank first for the reduce-scatter: (N, P, B, Hkv, L, E).
     _, to_rank_major = _orders(plan, k.device)
     if to_rank_major is not None:
-        dkv = dkv.index_select(3, to_rank_major)
-    send = dkv.view(2, b, h, n, l_len, d).permute(3, 0, 1, 2, 4, 5).reshape(n * 2, b, h, l_len, d)
-    del dkv
-    mine = reduce_scatter_dkv(send, pg, n)
+        dkv_all = dkv_all.index_select(3, to_rank_major)
+    e = dkv_all.shape[-1]
+    send = dkv_all.view(parts, b, h, n, l_len, e).permute(3, 0, 1, 2, 4, 5).reshape(n * parts, b, h, l_len, e)
+    del dkv_all
+    dk, dv = _unpacked(reduce_scatter_dkv(send, pg, n), d)
     # copy=True: fresh dk and dv even when no cast is needed (outputs must not alias each other)
-    return dq, mine[0].to(k.dtype, copy=True), mine[1].to(v.dtype, copy=True)
+    return dq, dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
 
 
 # ---- one varlen call --------------------------------------------------------------------------------
@@ -187,7 +206,7 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     return packing
 
 
-def _packseq_slice(x: torch.Tensor) -> torch.Tensor:
+def _pack_rows(x: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B*L, H, D): the query rows of the sequences, in order."""
     b, h, l_len, d = x.shape
     return x.transpose(1, 2).reshape(b * l_len, h, d)
@@ -199,7 +218,7 @@ def _contiguous(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(view.shape, dtype=dtype, device=view.device).copy_(view)
 
 
-def _unpackseq_slice(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
+def _unpack_rows(packed: torch.Tensor, shape, dtype) -> torch.Tensor:
     """(B*L, H, D) -> (B, H, L, D) contiguous, in `dtype`."""
     b, h, l_len, d = shape
     return _contiguous(packed.view(b, l_len, h, d).transpose(1, 2), dtype)
@@ -226,19 +245,22 @@ def gather_packed_kv(k, v, pg, plan: VarlenPlan, packing: _Packing) -> torch.Ten
     return gathered.view(n, 2, b * l_len, h, d).transpose(0, 1)[:, packing.key_rank, packing.key_row]
 
 
-def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, keep_kv: bool = False):
-    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards. Returns out (B, Hq, L, D) in
+def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, keep_kv: bool = False,
+                   softcap=None, sink=None):
+    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards (K and V of one shape: routes take
+    per-task plans otherwise); sink (Hq,) or None, added by the kernel. Returns out (B, Hq, L, D) in
     q.dtype, lse (B, Hq, L) float32 (float64 for float64) and, with keep_kv, the packed K/V for
     varlen_backward (else None)."""
     packing = _packing(plan, q.device)
     kv = gather_packed_kv(k, v, pg, plan, packing)
-    out, lse = kernel.varlen_forward(_packseq_slice(q), kv[0], kv[1], packing.seqs, plan.window, scale)
-    out, lse = _unpackseq_slice(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
+    out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, softcap=softcap,
+                                     sink=sink)
+    out, lse = _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
     return out, lse, (kv if keep_kv else None)
 
 
 def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
-                    kv: Optional[torch.Tensor] = None):
+                    kv: Optional[torch.Tensor] = None, softcap=None):
     """Gradients of varlen_forward (kv: the packed K/V it gathered and kept, or None to gather again).
     Returns dq, dk, dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
@@ -248,8 +270,8 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     if kv is None:
         kv = gather_packed_kv(k, v, pg, plan, packing)
     dq, dk, dv = kernel.varlen_backward(
-        _packseq_slice(dout), _packseq_slice(q), kv[0], kv[1], _packseq_slice(out), _pack_lse(lse), packing.seqs, plan.window,
-        scale,
+        _pack_rows(dout), _pack_rows(q), kv[0], kv[1], _pack_rows(out), _pack_lse(lse), packing.seqs, plan.window,
+        scale, softcap=softcap,
     )
     del kv
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
@@ -260,5 +282,5 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     dkv[:, 1].index_put_(index, dv.to(acc), accumulate=True)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
-    return (_unpackseq_slice(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
+    return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))

@@ -107,3 +107,17 @@ if triton is not None:
             lse_blk.stride(0), lse_blk.stride(1), lse_blk.stride(2),
             BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
         )
+
+
+def apply_sink_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sink: torch.Tensor) -> None:
+    """In place: add, once per row, a sink column (logit sink[h], no value) to merged results:
+    lse' = log(e^lse + e^sink[h]), out' = out * e^(lse - lse'). Rows that see no key at all
+    (lse = -inf: document padding) stay (0, -inf).
+
+    out_acc: (B, H, L, Dv) float32/float64, lse_acc: (B, H, L) same dtype, sink: (H,)."""
+    s = sink.to(lse_acc.dtype)[None, :, None]
+    seen = torch.isfinite(lse_acc)
+    new_lse = torch.where(seen, torch.logaddexp(lse_acc, s), lse_acc)
+    weight = torch.where(seen, torch.exp(lse_acc - new_lse), torch.ones_like(lse_acc))
+    out_acc.mul_(weight.unsqueeze(-1))
+    lse_acc.copy_(new_lse)

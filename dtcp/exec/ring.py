@@ -27,17 +27,19 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from .merge import merge_into_
+from .merge import apply_sink_, merge_into_
 
 
-def _covers_allseq_slice(step, local_len: int) -> bool:
+def _covers_all_rows(step, local_len: int) -> bool:
     return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
 
 
-def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm):
-    """q: (B, Hq, L, D), k/v: (B, Hkv, L, D), this rank's shards.
-    Returns out (B, Hq, L, D) in q.dtype and lse (B, Hq, L) float32 (float64 for float64)."""
+def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
+    """q: (B, Hq, L, D), k: (B, Hkv, L, D), v: (B, Hkv, L, Dv), this rank's shards; sink: (Hq,) or
+    None, added once per row after the merge. Returns out (B, Hq, L, Dv) in q.dtype and lse
+    (B, Hq, L) float32 (float64 for float64)."""
     acc = acc_dtype(q.dtype)
+    out_shape = q.shape[:-1] + v.shape[-1:]
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
     out_acc = lse_acc = None
@@ -48,25 +50,27 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm):
             works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
-            o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale)
-            if out_acc is None and _covers_allseq_slice(step, q.shape[2]):
+            o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
+            if out_acc is None and _covers_all_rows(step, q.shape[2]):
                 # First result covering every row: it *is* the running result (no merge needed).
                 # Contiguous, as the op's fake promises (Tensor.to returns self when the dtype
                 # already matches, whatever the strides).
-                out_acc = torch.empty(q.shape, dtype=acc, device=q.device).copy_(o)
+                out_acc = torch.empty(out_shape, dtype=acc, device=q.device).copy_(o)
                 lse_acc = l.to(acc).contiguous()
                 continue
             if out_acc is None:
-                out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+                out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
                 lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
             merge_into_(out_acc[qs], lse_acc[qs], o, l)
         if works is not None:
             comm.wait(works)
             cur = spare[t % 2]
     if out_acc is None:  # no task at all: every row is padding
-        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     comm.finish()
+    if sink is not None:
+        apply_sink_(out_acc, lse_acc, sink)
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
@@ -80,8 +84,10 @@ def _send_next_block(comm, plan: RingPlan, t: int, cur, local, nxt):
     return comm.exchange(list(send), list(nxt), plan.steps[t + 1].shift, "kv")
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm):
-    """Gradients of ring_forward. Returns dq, dk, dv in the input dtypes."""
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None):
+    """Gradients of ring_forward, given its final out and lse (with the sink, if any: then every
+    kernel's probabilities are the final ones, and dq, dk, dv need nothing else). Returns dq, dk,
+    dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
     rounds = plan.num_rounds
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -101,7 +107,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
             dq_t, dk_t, dv_t = kernel.backward(
-                dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale
+                dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale, softcap=softcap
             )
             dq[qs] += dq_t
             block_grads.append((ks, dk_t, dv_t))

@@ -54,10 +54,15 @@ class CallArgs:
     window_left: int
     window_right: int
     kv_exchange: str
+    softcap: float = 0.0  # 0: none
 
     @property
     def window(self) -> tuple[int, int]:
         return (self.window_left, self.window_right)
+
+    @property
+    def softcap_or_none(self) -> Optional[float]:
+        return self.softcap if self.softcap > 0 else None
 
 
 Plan = Union[RingPlan, AllGatherPlan, VarlenPlan, tuple]
@@ -66,9 +71,10 @@ Plan = Union[RingPlan, AllGatherPlan, VarlenPlan, tuple]
 class Route:
     """One signature's exchange, this rank's plan and the kernel (the same kernel on every rank)."""
 
-    def __init__(self, state: GroupState, exchange: str, plan: Plan, kernel: Kernel, signature: dict):
+    def __init__(self, state: GroupState, exchange: str, plan: Plan, kernel: Kernel, signature: dict,
+                 softcap: Optional[float]):
         self.state, self.exchange, self.plan, self.kernel = state, exchange, plan, kernel
-        self.signature = signature
+        self.signature, self.softcap = signature, softcap
 
     @property
     def rank(self) -> int:
@@ -102,12 +108,14 @@ def _aligned_nbytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int
 
 # ---- building and agreeing ---------------------------------------------------------------------
 def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
-              cu_values: Optional[tuple[int, ...]], what: str) -> Route:
-    """The cached route of this call's signature, built and agreed on first use."""
+              cu_values: Optional[tuple[int, ...]], what: str, sinks: Optional[torch.Tensor] = None) -> Route:
+    """The cached route of this call's signature, built and agreed on first use. `sinks` matter
+    by presence and shape only (their values are parameters, like q's)."""
     state = state_of(_compat.group_from_name(args.group_name))
     state.guard.check_healthy()
+    sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
-           args.scale, args.window, cu_values, args.kv_exchange, args.backend)
+           args.scale, args.window, cu_values, args.kv_exchange, args.backend, args.softcap, sinks_shape)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None:
@@ -115,14 +123,14 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
         if config.check_every_call:
             state.guard.agree(what, route.signature)
         return route
-    signature = _signature(q, k, v, args, cu_values, state.size)
+    signature = _signature(q, k, v, args, cu_values, state.size, sinks_shape)
     try:
-        exchange, plan, kernel = _build(q, k, args, cu_values, state)
+        exchange, plan, kernel = _build(q, k, v, args, cu_values, state, sinks is not None)
     except (ValueError, TypeError) as e:
         state.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")  # tell the others, then raise
         raise
     state.guard.agree(what, signature)
-    route = routes[key] = Route(state, exchange, plan, kernel, signature)
+    route = routes[key] = Route(state, exchange, plan, kernel, signature, args.softcap_or_none)
     if len(routes) > _MAX_ROUTES:
         routes.popitem(last=False)
     return route
@@ -142,7 +150,7 @@ def _routes_of(state: GroupState) -> "OrderedDict":
     return routes
 
 
-def _signature(q, k, v, args: CallArgs, cu_values, world_size: int) -> dict[str, str]:
+def _signature(q, k, v, args: CallArgs, cu_values, world_size: int, sinks_shape) -> dict[str, str]:
     """What must be equal on every rank, as strings (the agreement's fields)."""
     return {
         "world size": str(world_size),
@@ -150,10 +158,11 @@ def _signature(q, k, v, args: CallArgs, cu_values, world_size: int) -> dict[str,
         "dtype": str(q.dtype), "device type": q.device.type, "layout": args.layout,
         "is_causal": str(args.is_causal), "scale": repr(args.scale), "window_size": str(args.window),
         "cu_seqlens": digest(cu_values), "kv_exchange": args.kv_exchange, "backend": args.backend,
+        "softcap": repr(args.softcap), "sinks": str(sinks_shape),
     }
 
 
-def _build(q, k, args: CallArgs, cu_values, state: GroupState):
+def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, sinks: bool):
     """(exchange, this rank's plan, kernel): local and deterministic, so every rank that agrees on
     the signature builds the same (kernel choice looks at every rank's tasks)."""
     n, r = state.size, state.rank
@@ -176,21 +185,25 @@ def _build(q, k, args: CallArgs, cu_values, state: GroupState):
     error = None
     for exchange in candidates:
         try:
-            return (exchange,) + _plan_and_kernel(exchange, layout, q, k, args, row_segments, n, r)
+            return (exchange,) + _plan_and_kernel(exchange, layout, q, k, v, args, row_segments, n, r, sinks)
         except ValueError as e:  # e.g. the named kernel cannot serve this schedule: try the next
             error = e
     raise error
 
 
-def _plan_and_kernel(exchange, layout, q, k, args: CallArgs, row_segments, n: int, r: int):
+def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool):
+    """(this rank's plan, kernel) for one exchange, or ValueError. The ring adds attention sinks
+    itself, once per row after merging, so any kernel serves it; under the all-gather schedule each
+    row is one kernel call and the kernel adds them."""
     local_len = q.shape[2]
+    features = dict(v=v, softcap=args.softcap_or_none, sinks=sinks and exchange == "allgather")
     distinct = list(dict.fromkeys(row_segments))
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in distinct}
     build = allgather_plans if exchange == "allgather" else ring_plans
     row_plans = {seg: build(layout, local_len, n, args.is_causal, masks[seg]) for seg in distinct}
     all_tasks = [t for plans in row_plans.values() for plan in plans for t in plan.tasks]
     per_row = len(distinct) > 1
-    if exchange == "allgather" and distinct != [None]:
+    if exchange == "allgather" and distinct != [None] and k.shape == v.shape:
         # Documents under the all-gather schedule: one varlen call for the whole batch where a
         # kernel takes it in one launch, and for rows with their own documents (instead of a loop
         # over rows) with any kernel that takes varlen calls.
@@ -199,35 +212,51 @@ def _plan_and_kernel(exchange, layout, q, k, args: CallArgs, row_segments, n: in
         if all(p.rows_tiled for p in rank_plans) and varlen_reason(all_tasks, window) is None:
             seq_lens = [sl for p in rank_plans for sl in p.seq_lens]
             try:
-                kernel = select_kernel(args.backend, q, k, all_tasks, varlen=(seq_lens, window))
+                kernel = select_kernel(args.backend, q, k, all_tasks, varlen=(seq_lens, window), **features)
             except ValueError:
                 kernel = None
             if kernel is not None and (per_row or kernel.varlen_one_launch):
                 return rank_plans[r], kernel
-    kernel = select_kernel(args.backend, q, k, all_tasks)
+    kernel = select_kernel(args.backend, q, k, all_tasks, **features)
     if per_row:
         return tuple(row_plans[seg][r] for seg in row_segments), kernel
     return row_plans[distinct[0]][r], kernel
 
 
 # ---- running -------------------------------------------------------------------------------------
-def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = False):
+def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = False,
+                sinks: Optional[torch.Tensor] = None):
     """(out, lse, gathered_kv): with `keep_gathered_kv`, the all-gather schedule's gathered K/V for
-    the backward to reuse (None for the ring)."""
+    the backward to reuse (None for the ring). With `sinks` (Hq,), lse includes them."""
     with on_device_of(q), _failures(route, "forward"):
         comm = route.ring_comm(q, k, backward=False) if _has_ring(route.plan) else None
-        result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm)
+        sink = None if sinks is None else sinks.detach().to(acc_dtype(q.dtype))
+        result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm, sink)
         _end_of_call(route, q)
         return result
 
 
-def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, gathered_kv=None):
-    """(dq, dk, dv); `gathered_kv`: what run_forward kept, or None to gather again."""
+def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, gathered_kv=None,
+                 sinks: Optional[torch.Tensor] = None):
+    """(dq, dk, dv, dsinks) given the forward's final out and lse; `gathered_kv`: what run_forward
+    kept, or None to gather again. dsinks (this rank's rows' share, like every parameter's
+    gradient under context parallelism) is None without sinks."""
     with on_device_of(q), _failures(route, "backward"):
         comm = route.ring_comm(q, k, backward=True) if _has_ring(route.plan) else None
-        result = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
+        dq, dk, dv = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         _end_of_call(route, q)
-        return result
+        return dq, dk, dv, dsinks
+
+
+def sink_grad(dout, out, lse, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks[h] = -sum over rows of P(sink) * rowsum(dout * out), with P(sink) =
+    exp(sinks[h] - lse) the sink column's probability (its value is zero, so only the softmax's
+    normalisation carries it). Rows that see no key have out 0: they add nothing."""
+    acc = acc_dtype(out.dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, L)
+    p_sink = torch.exp(sinks.detach().to(acc)[None, :, None] - lse.to(acc))
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
 
 
 def _end_of_call(route: Route, q: torch.Tensor) -> None:
@@ -244,16 +273,19 @@ def _has_ring(plan) -> bool:
     return isinstance(plan, RingPlan) and plan.num_rounds > 0
 
 
-def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm):
+def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm, sink):
+    options = dict(softcap=route.softcap, sink=sink)
     if isinstance(plan, VarlenPlan):
-        return varlen_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv)
+        return varlen_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv,
+                              **options)
     if isinstance(plan, AllGatherPlan):
-        return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv)
+        return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv,
+                                 **options)
     if isinstance(plan, RingPlan):
-        return ring_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL) + (None,)
+        return ring_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options) + (None,)
     # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
     # the same calls in the same order on every rank
-    rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep_gathered_kv, comm)
+    rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep_gathered_kv, comm, sink)
             for b, p in enumerate(plan)]
     return (torch.cat([o for o, _, _ in rows]), torch.cat([lse for _, lse, _ in rows]),
             [kv for _, _, kv in rows] if keep_gathered_kv else None)
@@ -261,12 +293,13 @@ def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm):
 
 def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm):
     if isinstance(plan, VarlenPlan):
-        return varlen_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=gathered_kv)
+        return varlen_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=gathered_kv,
+                               softcap=route.softcap)
     if isinstance(plan, AllGatherPlan):
         return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale,
-                                  kv=gathered_kv)
+                                  kv=gathered_kv, softcap=route.softcap)
     if isinstance(plan, RingPlan):
-        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL)
+        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
     grads = [
         _backward(route, p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), scale,
                   None if gathered_kv is None else gathered_kv[b], comm)

@@ -33,15 +33,17 @@ AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "fa2", "f
 
 
 def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task],
-                  varlen: tuple = None) -> Kernel:
+                  varlen: tuple = None, *, v: torch.Tensor = None, softcap: float = None,
+                  sinks: bool = False) -> Kernel:
     """The kernel named by `backend`, or for "auto" the fastest that serves every task.
 
     `varlen` = (seq_lens, window) asks for a kernel that takes the tasks as one varlen call (see
     Kernel.reject_varlen_reason); "auto" then prefers kernels that do it in one launch (many small
-    tasks are one launch there and one launch each elsewhere). Raises ValueError with every
-    kernel's reason when none can serve."""
+    tasks are one launch there and one launch each elsewhere). `v`, `softcap` and `sinks` (the
+    kernel must add the sinks itself) ask for the optional features (Kernel.feature_reason).
+    Raises ValueError with every kernel's reason when none can serve."""
     def reason(kernel: Kernel):
-        why = kernel.reject_reason(q, k, tasks)
+        why = kernel.feature_reason(q, v, softcap, sinks) or kernel.reject_reason(q, k, tasks)
         if why is None and varlen is not None:
             why = kernel.reject_varlen_reason(*varlen)
         return why

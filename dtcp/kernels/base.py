@@ -2,14 +2,21 @@
 
 Every kernel computes one schedule `Task` on local tensors (SDPA layout, B H L D):
 
-    forward(q, k, v, lo, hi, scale)                   -> out (B, Hq, Lq, D), lse (B, Hq, Lq)
-    backward(dout, q, k, v, out, lse, lo, hi, scale)  -> dq (B, Hq, Lq, D), dk, dv (B, Hkv, Lk, D)
+    forward(q, k, v, lo, hi, scale, softcap=None, sink=None)   -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
+    backward(dout, q, k, v, out, lse, lo, hi, scale, softcap=None)
+                                                 -> dq (B, Hq, Lq, D), dk (B, Hkv, Lk, D), dv (B, Hkv, Lk, Dv)
 
 `lo`/`hi` give the band mask (key j visible from query i iff lo <= j - i <= hi, None = unbounded).
 `lse` is the natural-log sum of exponentials, float32 (float64 for float64 inputs). In the
 backward, `out` and `lse` are the *merged* (global) values for these query rows, which makes the
 kernel's gradient exactly this block's share of the full gradient. K/V may have fewer heads than
 Q (GQA); dk/dv come back with the K/V head count.
+
+Optional features, each declared by a class attribute (`feature_reason` refuses what a kernel
+lacks): `softcap` (Gemma 2's tanh capping of the scaled scores, softcap * tanh(s / softcap), before
+the mask), `sink` in the forward ((Hq,) float32 logits, one extra column in every row's softmax with
+no value: gpt-oss's attention sinks; the returned lse includes it, and the backward needs nothing
+more, since it takes the final lse), and a value head dim Dv different from D (MLA).
 
 Kernels with `supports_varlen` also take many sequences in one call, packed as in flash-attn's
 varlen functions (sequence i: rows cu_q[i]:cu_q[i+1] of q, cu_k[i]:cu_k[i+1] of k/v), with one
@@ -60,40 +67,55 @@ class Kernel:
     name = "kernel"
     supports_varlen = False  # takes varlen_forward/varlen_backward
     varlen_one_launch = False  # ... in one kernel launch (else a loop over the sequences)
+    takes_softcap = False
+    takes_sinks = False  # forward(sink=...)
+    takes_value_head_dim = False  # v's head dim may differ from q's and k's
 
     def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task]) -> Optional[str]:
         """None when this kernel can serve every task on these inputs, else why not."""
         raise NotImplementedError
+
+    def feature_reason(self, q: torch.Tensor, v: Optional[torch.Tensor], softcap: Optional[float],
+                       sinks: bool) -> Optional[str]:
+        """Why this kernel cannot take the optional features asked for, or None."""
+        if softcap is not None and not self.takes_softcap:
+            return f"{self.name} has no softcap"
+        if sinks and not self.takes_sinks:
+            return f"{self.name} takes no attention sinks"
+        if v is not None and v.shape[-1] != q.shape[-1] and not self.takes_value_head_dim:
+            return f"{self.name} needs v's head dim to equal q's and k's ({v.shape[-1]} != {q.shape[-1]})"
+        return None
 
     def reject_varlen_reason(self, seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[str]:
         """None when one varlen call with these (q_len, k_len) sequences and this bottom-right
         window is exactly what the kernel computes, else why not (kernel quirks)."""
         return None if self.supports_varlen else f"{self.name} takes no varlen calls"
 
-    def forward(self, q, k, v, lo, hi, scale):
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         raise NotImplementedError
 
     # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
-    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale):
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
         outs, lses = [], []
         for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
             band = Band.from_aligned_window(qb - qa, kb - ka, window)
             o, l = self.forward(rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]), rows_to_block(v[ka:kb]),
-                                band.lo, band.hi, scale)
+                                band.lo, band.hi, scale, softcap=softcap, sink=sink)
             outs.append(block_to_rows(o))
             lses.append(l[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
         dqs, dks, dvs = [], [], []
         for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
             band = Band.from_aligned_window(qb - qa, kb - ka, window)
             dq, dk, dv = self.backward(
                 rows_to_block(dout[qa:qb]), rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]),
-                rows_to_block(v[ka:kb]), rows_to_block(out[qa:qb]), lse[None, :, qa:qb], band.lo, band.hi, scale)
+                rows_to_block(v[ka:kb]), rows_to_block(out[qa:qb]), lse[None, :, qa:qb], band.lo, band.hi, scale,
+                softcap=softcap)
             dqs.append(block_to_rows(dq))
             dks.append(block_to_rows(dk))
             dvs.append(block_to_rows(dv))

@@ -30,11 +30,11 @@ class CpuFlashKernel(Kernel):
             return "cpu_flash aligns causal top-left: it takes only square causal sequences"
         return None
 
-    def forward(self, q, k, v, lo, hi, scale):
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
         out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, hi is not None, scale=scale)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         lse = lse.to(acc_dtype(q.dtype)).contiguous()
         return _compat.cpu_flash_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse, 0.0, hi is not None, scale=scale

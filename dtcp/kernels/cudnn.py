@@ -24,12 +24,12 @@ class CudnnKernel(Kernel):
             return "cudnn cannot take a 1x1 block (a single-token document)"
         return full_or_square_causal_reason(tasks, "cudnn")
 
-    def forward(self, q, k, v, lo, hi, scale):
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
         fwd, _ = _compat.cudnn_ops()
         out, lse, *_ = fwd(q, k, v, None, True, 0.0, hi is not None, False, scale=scale)
         return out, lse.view(lse.shape[0], lse.shape[1], lse.shape[2])
 
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         _, bwd = _compat.cudnn_ops()
         lq, lk = q.shape[2], k.shape[2]
         no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # unused without dropout

@@ -69,7 +69,7 @@ class CudaFlashKernel(Kernel):
     def reject_varlen_reason(self, seq_lens, window):
         return fa2_varlen_reason(seq_lens, window, "flash")
 
-    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale):
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
         fwd, _ = _compat.cuda_flash_ops()
         a = _flash_args(window)
         out, lse, *_ = fwd(q, k, v, seqs.cu_q_t, seqs.cu_k_t, seqs.max_q, seqs.max_k, 0.0, a["causal"], False,
@@ -77,7 +77,7 @@ class CudaFlashKernel(Kernel):
                            window_size_right=a["window_size_right"])
         return out, _compat.flash_varlen_lse(lse, q)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
         _, bwd = _compat.cuda_flash_ops()
         a = _flash_args(window)
         no_rng = torch.empty(2, dtype=torch.int64, device=q.device)  # unused without dropout
@@ -85,7 +85,7 @@ class CudaFlashKernel(Kernel):
                    0.0, a["causal"], no_rng, no_rng, scale=scale, window_size_left=a["window_size_left"],
                    window_size_right=a["window_size_right"])
 
-    def forward(self, q, k, v, lo, hi, scale):
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
         fwd, _ = _compat.cuda_flash_ops()
         lq, lk = q.shape[2], k.shape[2]
         a = _flash_args(Band(lo, hi).aligned_window(lq, lk))
@@ -94,7 +94,7 @@ class CudaFlashKernel(Kernel):
                            window_size_right=a["window_size_right"])
         return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         _, bwd = _compat.cuda_flash_ops()
         lq, lk = q.shape[2], k.shape[2]
         a = _flash_args(Band(lo, hi).aligned_window(lq, lk))

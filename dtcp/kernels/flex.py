@@ -32,6 +32,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@lru_cache(maxsize=64)
+def _softcap_score_mod(softcap: float):
+    """tanh capping of the scaled scores, one function object per value (so flex's compiled
+    kernels are reused across calls)."""
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return capped
+
+
 def _band_mask_mod(lo: Optional[int], hi: Optional[int]):
     def band(b, h, q_idx, kv_idx):
         d = kv_idx - q_idx
@@ -83,6 +93,7 @@ class FlexKernel(Kernel):
     """torch.nn.attention.flex_attention, compiled: any band, CUDA (no flex backward on CPU)."""
 
     name = "flex"
+    takes_softcap = True
 
     def reject_reason(self, q, k, tasks):
         if q.device.type != "cuda":
@@ -93,18 +104,20 @@ class FlexKernel(Kernel):
             return f"flex needs head_dim >= 16; got {q.shape[-1]}"
         return None
 
-    def _run(self, q, k, v, lo, hi, scale):
+    def _run(self, q, k, v, lo, hi, scale, softcap=None):
         mask = band_block_mask(q.shape[2], k.shape[2], lo, hi, str(q.device))
-        return _compat.flex_attention_with_lse(_compiled_flex(), q, k, v, mask, scale, q.shape[1] != k.shape[1])
+        score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+        return _compat.flex_attention_with_lse(_compiled_flex(), q, k, v, mask, scale, q.shape[1] != k.shape[1],
+                                               score_mod=score_mod)
 
-    def forward(self, q, k, v, lo, hi, scale):
-        return self._run(q, k, v, lo, hi, scale)
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
+        return self._run(q, k, v, lo, hi, scale, softcap)
 
-    def backward(self, dout, q, k, v, out, lse, lo, hi, scale):
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         acc = acc_dtype(q.dtype)
         with _compat.autograd_inside_custom_op():
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out_blk, lse_blk = self._run(qg, kg, vg, lo, hi, scale)
+            out_blk, lse_blk = self._run(qg, kg, vg, lo, hi, scale, softcap)
             lse_glob = lse.to(acc)
             lse_own = lse_blk.detach().to(acc)
             # Rows this block does not reach (lse_blk = -inf) or no block reaches (padding) get 0.
