@@ -482,24 +482,70 @@ def test_llama3_dtcp_train_spec_fsdp_equals_no_cp(compile_backend, layout, docum
 
 # ---- torchtitan's own trainer, end to end, from the example TOML ------------------------------
 def _train(tmp_path, name, nproc, *args):
+    """Run torchtitan's trainer under torchrun; return the path of rank 0's log.
+
+    torchrun's own start-up (its rendezvous store, then each worker's connection to it) once hung
+    for the whole time limit on a 2-core CI machine, before any trainer code ran. A start-up that
+    does not finish process-group initialisation within `startup_s` is retried once on a fresh port;
+    anything that goes wrong after initialisation (dtcp's code included) fails the test at once.
+    """
     import subprocess
     import sys
 
+    from dist_harness import close_all
+
+    close_all()  # the spawned rank pools of earlier tests would compete with the trainer for 2 cores
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--role", "rank", "--tee", "3", "--local-ranks-filter", "0",
-           os.path.join(ROOT, "tests", "torchtitan_cpu_train.py"),
-           "--job.config_file", os.path.join(EXAMPLES, "llama3_debug_cp2.toml"),
-           "--job.dump_folder", str(tmp_path / name), "--training.steps", "3", "--training.seq_len", "128",
-           "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
-           "--model.hf_assets_path", str(tmp_path / "assets" / "tokenizer"),
-           "--training.dataset_path", str(tmp_path / "assets" / "c4_tiny"), *args]
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
-    assert rc == 0, log.read_text()[-4000:]
-    return str(log)
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    initialised = "[GC] Initial GC collection"  # torchtitan logs it right after init_process_group
+    startup_s, limit_s = 120, 300
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+               "--role", "rank", "--tee", "3", "--local-ranks-filter", "0",
+               os.path.join(ROOT, "tests", "torchtitan_cpu_train.py"),
+               "--job.config_file", os.path.join(EXAMPLES, "llama3_debug_cp2.toml"),
+               "--job.dump_folder", str(tmp_path / name), "--training.steps", "3", "--training.seq_len", "128",
+               "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
+               "--model.hf_assets_path", str(tmp_path / "assets" / "tokenizer"),
+               "--training.dataset_path", str(tmp_path / "assets" / "c4_tiny"), *args]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=startup_s)
+            except subprocess.TimeoutExpired:
+                if initialised not in log.read_text():
+                    _kill_session(proc)
+                    continue  # stuck in torchrun's start-up: try once more
+                try:
+                    rc = proc.wait(timeout=limit_s - startup_s)
+                except subprocess.TimeoutExpired:
+                    _kill_session(proc)
+                    raise AssertionError(f"{name}: no exit within {limit_s} s\n" + log.read_text()[-4000:])
+        assert rc == 0, log.read_text()[-4000:]
+        return str(log)
+    raise AssertionError(f"{name}: torchrun did not initialise its process group in {startup_s} s, twice\n"
+                         + log.read_text()[-4000:])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_session(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def test_torchtitan_trainer_cp2_dtcp_matches_cp1(tmp_path):
