@@ -5,7 +5,7 @@ layouts/ -> plan/ -> comm/ + kernels/ -> exec/ -> ops.py -> api.py, frontends/ -
 """
 
 from . import errors
-from .api import flash_attn_varlen_func, ring_attention
+from .api import calibrate, explain, flash_attn_varlen_func, ring_attention
 from .comm.stats import STATS as comm_stats
 from .config import config
 from .frontends.context import context_parallel, context_parallel_unshard, shard_buffers, unshard_buffers
@@ -16,6 +16,8 @@ from .layouts import Contiguous, DocZigzag, Layout, SlidingWindow, Striped, Zigz
 __all__ = [
     "ring_attention",
     "flash_attn_varlen_func",
+    "explain",
+    "calibrate",
     "Layout",
     "Contiguous",
     "Zigzag",

@@ -105,6 +105,12 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, pg: "dist.Pro
     _REDUCE_SCATTER(output, input, group=pg)
 
 
+def all_to_all_into(output: torch.Tensor, input: torch.Tensor, pg: "dist.ProcessGroup") -> None:
+    """output[j] <- rank j's input[this rank], along dim 0 (equal splits). Public API, here beside
+    its siblings: dist.all_to_all_single, checked on 2.13.0+cpu and 2.15.0 (gloo, uint8)."""
+    dist.all_to_all_single(output, input, group=pg)
+
+
 def all_gather_autograd(x: torch.Tensor, pg: "dist.ProcessGroup") -> torch.Tensor:
     """Differentiable, traceable all-gather along dim 0 (backward: a reduce-scatter).
     torch.distributed._functional_collectives.all_gather_tensor_autograd(self, gather_dim, group):
@@ -159,7 +165,7 @@ def flash_varlen_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if lse.shape != (q.shape[1], q.shape[0]):
         raise RuntimeError(
             f"dtcp: this torch's flash varlen kernel returned logsumexp of shape {tuple(lse.shape)}, not "
-            f"(heads, total_q) = {(q.shape[1], q.shape[0])}; use kv_exchange='ring' or backend='math'"
+            f"(heads, total_q) = {(q.shape[1], q.shape[0])}; use strategy='ring' or backend='math'"
         )
     return lse
 

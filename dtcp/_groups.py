@@ -32,11 +32,40 @@ def resolve_group(group: GroupLike) -> "dist.ProcessGroup":
     if mesh_cls is not None and isinstance(group, mesh_cls):
         if group.ndim != 1:
             raise ValueError(
-                f"group: a DeviceMesh passed as the context-parallel group must be 1-D; got a "
-                f"{group.ndim}-D mesh with dims {group.mesh_dim_names}. Pass mesh['cp'] instead."
+                f"group: a DeviceMesh passed as a process group must be 1-D here; got a "
+                f"{group.ndim}-D mesh with dims {group.mesh_dim_names}. Pass mesh['cp'] instead (ring_attention "
+                "takes a 2-D CP mesh, ring dim then Ulysses dim, with strategy='hybrid')."
             )
         return group.get_group()
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None; got {type(group).__name__}")
+
+
+def resolve_cp_groups(group) -> tuple["dist.ProcessGroup", "dist.ProcessGroup | None"]:
+    """(sequence group, head group) of a context-parallel `group`. A 1-D group (ProcessGroup, 1-D
+    DeviceMesh, name, None) gives (it, None). A 2-D DeviceMesh (ring dim, Ulysses dim) or a pair
+    (ring group, Ulysses group) gives both: CP rank = ring rank * U + Ulysses rank, so the Ulysses
+    dim is the inner (fastest varying) one, as in torch's DeviceMesh with ranks laid out row-major."""
+    mesh_cls = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
+    if mesh_cls is not None and isinstance(group, mesh_cls) and group.ndim == 2:
+        return group.get_group(0), group.get_group(1)
+    if isinstance(group, (tuple, list)):
+        if len(group) != 2:
+            raise ValueError(f"group: a 2-D context-parallel group is a pair (ring_group, ulysses_group); got "
+                             f"{len(group)} items")
+        ring, heads = resolve_group(group[0]), resolve_group(group[1])
+        return ring, heads
+    if mesh_cls is not None and isinstance(group, mesh_cls) and group.ndim > 2:
+        raise ValueError(f"group: a context-parallel DeviceMesh has 1 or 2 dims (ring, ulysses); got {group.ndim} "
+                         f"dims {group.mesh_dim_names}. Slice it: mesh['cp_ring', 'cp_ulysses']")
+    return resolve_group(group), None
+
+
+def cp_size_and_rank(group) -> tuple[int, int]:
+    """(N, CP rank) of a 1-D or 2-D context-parallel group (resolve_cp_groups)."""
+    ring, heads = resolve_cp_groups(group)
+    if heads is None:
+        return group_size(ring), group_rank(ring)
+    return group_size(ring) * group_size(heads), group_rank(ring) * group_size(heads) + group_rank(heads)
 
 
 def group_name(group: GroupLike) -> str:

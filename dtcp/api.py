@@ -13,13 +13,18 @@ from typing import Optional, Union
 import torch
 
 from . import _compat, ops
-from ._groups import GroupLike, group_rank, group_size, resolve_group
+import warnings
+
+from ._groups import GroupLike, cp_size_and_rank, group_size, resolve_cp_groups
 from .comm import state_of
 from .exec.route import CallArgs
+from .config import config
+from .exec.calibrate import calibrate as _calibrate
+from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
 from .layouts import DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, check_window, layout_from_spec
-from .plan import check_kv_exchange
+from .plan import check_kv_exchange, check_strategy
 
 
 def ring_attention(
@@ -36,9 +41,10 @@ def ring_attention(
     return_lse: bool = False,
     window_size: Optional[tuple[int, int]] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
-    kv_exchange: str = "auto",
+    strategy: str = "auto",
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    kv_exchange: Optional[str] = None,
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -54,7 +60,9 @@ def ring_attention(
             as in SDPA). K/V travel with Hkv heads.
         v: (B, Hkv, S_local, Dv) this rank's values; Dv may differ from D (MLA-style models), as in
             SDPA (the math kernel, and kernels that declare it, take it).
-        group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default group).
+        group: the context-parallel group: a ProcessGroup, a 1-D DeviceMesh, or None (default
+            group); for strategy="hybrid" a 2-D DeviceMesh (ring dim, Ulysses dim) or a pair
+            (ring_group, ulysses_group), CP rank = ring rank * U + Ulysses rank.
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
             dtcp.DocZigzag(doc_lens)).
         is_causal: causal attention over global token positions.
@@ -73,14 +81,19 @@ def ring_attention(
             a boundary at every row start b*S (torchtitan's and flash-attn's packed batches).
             Rows that see no key at all get out 0 and lse 0. The values are read once per call (a
             CUDA tensor costs a device synchronisation; CPU boundaries cost none).
-        kv_exchange: how K/V reach the other ranks. "ring": blocks travel around the ring, each
-            transfer overlapped with the previous block's kernels (dK/dV travel back the same way);
-            the choice for long sequences. "allgather": one all-gather of K/V, one kernel call per
-            run of local queries, one reduce-scatter of dK/dV in the backward; no overlap, but a
-            handful of operations per call, for short sequences where a ring call is bound by
-            host time (contiguous and zigzag layouts). "auto" (default): "allgather" on CUDA when
-            the whole sequence's K/V is at most dtcp.config.allgather_max_bytes (16 MiB) and the
-            layout and kernel allow, else "ring". Both give the same result.
+        strategy: how the work is spread over the group (docs/guide/strategies.md). "ring": K/V
+            blocks travel around the ring, each transfer overlapped with the previous block's
+            kernels (dK/dV travel back the same way); a window on the contiguous layout needs only
+            the rounds it reaches. "allgather": one all-gather of K/V, one reduce-scatter of dK/dV
+            (contiguous and zigzag layouts). "ulysses": an all-to-all trades tokens for heads
+            ((B, H, S/N, D) -> (B, H/N, S, D)), attention runs over the whole sequence, a second
+            all-to-all brings the output back; Hq must be a multiple of N, and Hkv a multiple or a
+            divisor of N (K/V heads are then replicated, their gradients summed). "hybrid": on a
+            2-D mesh, Ulysses inside each group of the Ulysses dim and the ring (or all-gather)
+            across them. "auto" (default): on CUDA the cost model's fastest (``dtcp.explain``
+            shows its predictions); on a 2-D mesh "hybrid"; on CPU the ring. All give the same
+            result, to rounding.
+        kv_exchange: deprecated alias of ``strategy`` ("auto", "ring", "allgather").
         softcap: tanh capping of the scaled scores, ``softcap * tanh(score / softcap)``, before the
             mask (Gemma 2's attention logit soft-capping); None (or 0) for none. Needs a kernel
             that takes it (math, fa2, flex; ``backend="auto"`` finds one).
@@ -96,9 +109,14 @@ def ring_attention(
         it carries no gradient.
     """
     layout = layout_from_spec(layout)
-    pg = resolve_group(group)
-    n = group_size(pg)
+    pg, head_pg = resolve_cp_groups(group)
+    n, cp_rank = cp_size_and_rank(group)
+    if kv_exchange is not None:
+        warnings.warn("ring_attention(kv_exchange=...) is deprecated: use strategy=... (the same values, and "
+                      "'ulysses' and 'hybrid')", DeprecationWarning, stacklevel=2)
     try:
+        strategy = _strategy_from_alias(strategy, kv_exchange)
+        check_strategy(strategy, head_pg is not None)
         _check_inputs(q, k, v, enable_gqa, scale)
         softcap = _check_softcap(softcap)
         _check_sinks(sinks, q)
@@ -106,7 +124,6 @@ def ring_attention(
             scale = default_scale(q.shape[-1])
         left, right = resolve_window(window_size, layout, is_causal)
         _check_cu_seqlens(cu_seqlens)
-        check_kv_exchange(kv_exchange)
         if isinstance(layout, DocZigzag):
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: a DocZigzag layout carries its documents (and their padding); "
@@ -119,11 +136,13 @@ def ring_attention(
             layout.check(q.shape[2] * n, n)
             layout_spec = layout.spec()
     except (ValueError, TypeError) as e:
-        _tell_peers(pg, n, e)
+        for g in (pg, head_pg):
+            if g is not None:
+                _tell_peers(g, group_size(g), e)
         raise
     args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right,
-                    kv_exchange, softcap)
-    out, lse = ops.attention(q, k, v, args, cu_seqlens, group_rank(pg), n, sinks)
+                    strategy, softcap, "" if head_pg is None else _compat.name_of_group(head_pg))
+    out, lse = ops.attention(q, k, v, args, cu_seqlens, cp_rank, n, sinks)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -141,9 +160,10 @@ def flash_attn_varlen_func(
     layout: Union[Layout, str] = Contiguous(),
     backend: str = "auto",
     return_lse: bool = False,
-    kv_exchange: str = "auto",
+    strategy: str = "auto",
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    kv_exchange: Optional[str] = None,
 ):
     """flash-attn's `flash_attn_varlen_func` for a packed sequence sharded over a CP group.
 
@@ -163,9 +183,10 @@ def flash_attn_varlen_func(
         layout: as in `ring_attention`; the default is contiguous, where a window needs the fewest rounds.
         backend: as in `ring_attention`.
         return_lse: also return the log-sum-exp.
-        kv_exchange: as in `ring_attention`.
+        strategy: as in `ring_attention`.
         softcap: as in flash-attn (0: none) and `ring_attention`.
         sinks: (Hq,) attention-sink logits, as in `ring_attention`.
+        kv_exchange: deprecated alias of ``strategy``.
 
     Returns:
         out (T_local, Hq, D); with return_lse=True also lse (Hq, T_local), as flash-attn.
@@ -177,18 +198,91 @@ def flash_attn_varlen_func(
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 1):
             raise TypeError(f"max_seqlen must be a positive int or None; got {max_seqlen!r}")
+        if kv_exchange is not None:
+            warnings.warn("flash_attn_varlen_func(kv_exchange=...) is deprecated: use strategy=...",
+                          DeprecationWarning, stacklevel=2)
+            strategy, kv_exchange = _strategy_from_alias(strategy, kv_exchange), None
     except (ValueError, TypeError) as e:
-        pg = resolve_group(group)
-        _tell_peers(pg, group_size(pg), e)
+        for g in resolve_cp_groups(group):
+            if g is not None:
+                _tell_peers(g, group_size(g), e)
         raise
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out, lse = ring_attention(
         q4, k4, v4, group, layout=layout, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1],
-        backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens, kv_exchange=kv_exchange,
-        softcap=softcap or None, sinks=sinks,
+        backend=backend, return_lse=True, window_size=window_size, cu_seqlens=cu_seqlens, strategy=strategy,
+        softcap=softcap or None, sinks=sinks, kv_exchange=kv_exchange,
     )
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    layout: Union[Layout, str] = DEFAULT_LAYOUT,
+    is_causal: bool = False,
+    window_size: Optional[tuple[int, int]] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backward: bool = True,
+) -> str:
+    """What ``strategy="auto"`` picks for this call on CUDA, and why: the cost model's predicted
+    time of every strategy the call allows (dtcp/plan/cost.py), fastest first. Takes the shards a
+    ``ring_attention`` call would get (q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D/Dv); only
+    their shapes, dtype and device matter: meta tensors work) and the same mask arguments; makes
+    no communication. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
+    else the shipped H200 NVLink figures. On CPU, "auto" takes the ring whatever the model says.
+
+    Returns a multi-line report; its first line is ``auto -> <strategy>``."""
+    layout = layout_from_spec(layout)
+    n, cp_rank = cp_size_and_rank(group)
+    ring_pg, head_pg = resolve_cp_groups(group)
+    u = group_size(head_pg) if head_pg is not None else 0
+    left, right = resolve_window(window_size, layout, is_causal)
+    if isinstance(layout, DocZigzag):
+        layout_spec, cu_values = "doczigzag", tuple(layout.cu_seqlens.tolist())
+    else:
+        layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    args = CallArgs("", layout_spec, bool(is_causal), default_scale(q.shape[-1]), "auto", left, right, "auto")
+    choice, preds = _explain(q, k, v, args, cu_values, n, cp_rank, u, cp_rank % u if u else 0, backward=backward)
+    lines = [f"auto -> {choice}  ({'forward + backward' if backward else 'forward'}, {n} ranks, "
+             f"q {tuple(q.shape)}, k {tuple(k.shape)}, {layout!r}, causal={is_causal}, window=({left}, {right}))"]
+    for p in preds:
+        lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms, "
+                     f"communication {p.comm_s * 1e3:.3f} ms of which exposed {p.exposed_comm_s * 1e3:.3f} ms)")
+    if not preds:
+        lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
+    return "\n".join(lines)
+
+
+def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None, apply: bool = True, **options):
+    """Measure the cost model's constants on this machine (a few seconds; collective: every rank of
+    `group` calls it) and, with `apply`, make them dtcp.config.cost_machine, which
+    ``strategy="auto"`` and ``dtcp.explain`` use from then on. Measured: a ring transfer, an
+    all-to-all, a tiny all-to-all (latency), a device copy, and the attention kernel
+    ``backend="auto"`` picks at two block lengths (the slowest rank's figures, so every rank
+    decides alike). Returns the `dtcp.plan.Machine`. `options`: dtype, heads, head_dim, seq_len,
+    transfer_bytes, repeats (dtcp/exec/calibrate.py). Routes built before keep their strategy."""
+    pg = resolve_cp_groups(group)[0]
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    machine = _calibrate(pg, device, **options)
+    if apply:
+        config.cost_machine = machine
+    return machine
+
+
+def _strategy_from_alias(strategy: str, kv_exchange: Optional[str]) -> str:
+    if kv_exchange is None:
+        return strategy
+    check_kv_exchange(kv_exchange)
+    if strategy != "auto" and strategy != kv_exchange:
+        raise ValueError(f"strategy={strategy!r} and kv_exchange={kv_exchange!r} disagree: pass strategy only "
+                         "(kv_exchange is its deprecated alias)")
+    return kv_exchange
 
 
 def resolve_window(window_size, layout: Layout, is_causal: bool) -> tuple[int, int]:

@@ -15,7 +15,8 @@ nothing reads the environment or a module global on the hot path.
 | `transport` | "auto" | `DTCP_TRANSPORT` | ring transport on CUDA: "auto" (copy engines where available), "ce", "nccl" |
 | `high_priority_ring` | True | `DTCP_HIGH_PRIORITY_RING` | NCCL ring on a high-priority stream |
 | `merge` | "auto" | `DTCP_MERGE` | LSE merge: "auto" (fused Triton kernel on CUDA), "triton", "torch" |
-| `allgather_max_bytes` | 16 MiB | | `kv_exchange="auto"` gathers K/V up to this size (whole sequence, per rank) |
+| `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
+| `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
@@ -58,6 +59,7 @@ class Config:
     eager_fast_path: bool = True
     traced_allgather: bool = True
     one_launch: bool = True
+    cost_machine: object = None
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
@@ -103,6 +105,11 @@ def _checked(name: str, value):
     if name == "allgather_max_bytes":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"dtcp.config.allgather_max_bytes must be an int >= 0; got {value!r}")
+        return value
+    if name == "cost_machine":
+        if value is not None and not hasattr(value, "kernel_flops_per_s"):
+            raise TypeError(f"dtcp.config.cost_machine must be a dtcp.plan.Machine (e.g. dtcp.calibrate()) or None; "
+                            f"got {type(value).__name__}")
         return value
     if not isinstance(value, bool):
         raise TypeError(f"dtcp.config.{name} must be True or False; got {value!r}")

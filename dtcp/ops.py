@@ -46,15 +46,19 @@ def _cu_values(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
 
 
 # window_left/right: flash-attn's window (-1 = unbounded); cu_seqlens: int tensor of global
-# document boundaries or None. kv_exchange: "auto", "ring" or "allgather" (dtcp/plan/exchange.py).
-# softcap: tanh capping of the scores (0: none); sinks: (Hq,) attention-sink logits or None.
+# document boundaries or None. strategy: "auto", "ring", "allgather", "ulysses" or "hybrid"
+# (dtcp/plan/exchange.py). softcap: tanh capping of the scores (0: none); sinks: (Hq,) attention-sink
+# logits or None. head_group_name: the Ulysses dim's group of a 2-D mesh ("" for a 1-D group).
+# route: compile-cache key only (compiled_route_key(); "" outside torch.compile), not read.
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
-    kv_exchange: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+    strategy: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, head_group_name: str = "",
+    route: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange, softcap)
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy, softcap,
+                    head_group_name)
     route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward", sinks)
     out, lse, _ = run_forward(route, q, k, v, scale, sinks=sinks)
     return out, lse
@@ -66,7 +70,7 @@ ring_attention_forward = torch.library.custom_op("dtcp::ring_attention_forward",
 
 @ring_attention_forward.register_fake
 def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None,
-      kv_exchange="auto", softcap=0.0, sinks=None):
+      strategy="auto", softcap=0.0, sinks=None, head_group_name="", route=""):
     # The real op returns fresh contiguous tensors; the fakes must have the same strides.
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
@@ -76,10 +80,12 @@ def ring_attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
-    kv_exchange: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+    strategy: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, head_group_name: str = "",
+    route: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty without sinks."""
-    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange, softcap)
+    args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy, softcap,
+                    head_group_name)
     route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention backward", sinks)
     dq, dk, dv, dsinks = run_backward(route, dout, q, k, v, out, lse, scale, sinks=sinks)
     return dq, dk, dv, (q.new_empty(0) if dsinks is None else dsinks)
@@ -87,7 +93,7 @@ def ring_attention_backward(
 
 @ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1,
-      cu_seqlens=None, kv_exchange="auto", softcap=0.0, sinks=None):
+      cu_seqlens=None, strategy="auto", softcap=0.0, sinks=None, head_group_name="", route=""):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
@@ -135,8 +141,8 @@ _LIB = torch.library.Library("dtcp", "FRAGMENT")
 # of dtcp's source has its own cache entry.
 _LIB.define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
-    "str backend, int window_left, int window_right, Tensor? cu_seqlens, str kv_exchange, float softcap, "
-    "Tensor? sinks, int rank, int world_size, str route) -> (Tensor, Tensor)"
+    "str backend, int window_left, int window_right, Tensor? cu_seqlens, str strategy, float softcap, "
+    "Tensor? sinks, str head_group_name, int rank, int world_size, str route) -> (Tensor, Tensor)"
 )
 
 
@@ -165,21 +171,26 @@ def compiled_route_key() -> str:
 
 
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                              cu_seqlens, kv_exchange, softcap, sinks, rank, world_size, route):
+                              cu_seqlens, strategy, softcap, sinks, head_group_name, rank, world_size, route):
     # Symbolic shapes (dynamic sequence lengths, batch sizes) take the custom op: its real
     # implementation sees concrete shapes at run time, and no plan or cache key holds a SymInt.
     # Softcap, sinks and a value head dim of its own have no traced form either.
-    plain = cu_seqlens is None and softcap == 0.0 and sinks is None and v.shape[-1] == q.shape[-1]
+    plain = (cu_seqlens is None and softcap == 0.0 and sinks is None and v.shape[-1] == q.shape[-1]
+             and strategy in ("auto", "ring", "allgather") and not head_group_name)
     if route.startswith("traced") and plain and _compat.all_concrete(q.shape, k.shape, v.shape):
-        args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, kv_exchange)
+        args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy)
         planned = route_for(q, k, v, args, None, "dtcp.ring_attention (compiled)")
         if (planned.rank, planned.world_size) != (rank, world_size):
             raise RuntimeError(f"dtcp::ring_attention traced for rank {rank} of {world_size} runs on rank "
                                f"{planned.rank} of {planned.world_size}")
-        if isinstance(planned.plan, AllGatherPlan) and traced_reason(planned.plan, planned.kernel, q) is None:
+        if (planned.heads is None and isinstance(planned.plan, AllGatherPlan)
+                and traced_reason(planned.plan, planned.kernel, q) is None):
             return allgather_attention_traced(q, k, v, planned.comm_group(), planned.plan, planned.kernel, scale)
+    # `route` also reaches the custom op: inductor's graph cache keys on the graph *after* this
+    # decomposition, where an op call with the same positional values but another schema (an
+    # older dtcp) would otherwise hit the cache and run code generated for the old schema.
     return ring_attention_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                                  cu_seqlens, kv_exchange, softcap, sinks)
+                                  cu_seqlens, strategy, softcap, sinks, head_group_name, route)
 
 
 _LIB.impl("ring_attention", _ring_attention_composite, "CompositeImplicitAutograd")
@@ -197,7 +208,12 @@ class _AttentionEager(torch.autograd.Function):
         # collective and its reordering fewer per layer; dtcp/exec/allgather.py for the memory).
         out, lse, gathered_kv = run_forward(route, q, k, v, args.scale,
                                             keep_gathered_kv=any(ctx.needs_input_grad[:3]), sinks=sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        if route.heads is not None and gathered_kv is not None:
+            # A head exchange keeps its exchanged tensors instead (the same memory): the backward
+            # then exchanges only dout out and the gradients back.
+            ctx.save_for_backward(None, None, None, None, None, sinks)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.route, ctx.gathered_kv, ctx.scale = route, gathered_kv, args.scale
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -215,7 +231,7 @@ def attention(q, k, v, args: CallArgs, cu_seqlens: Optional[torch.Tensor], rank:
               sinks: Optional[torch.Tensor] = None):
     """(out, lse) of one call: compiled route, eager fast path or custom op (module docstring)."""
     op_args = (args.group_name, args.layout, args.is_causal, args.scale, args.backend, args.window_left,
-               args.window_right, cu_seqlens, args.kv_exchange, args.softcap, sinks)
+               args.window_right, cu_seqlens, args.strategy, args.softcap, sinks, args.head_group_name)
     if torch.compiler.is_compiling():
         return torch.ops.dtcp.ring_attention(q, k, v, *op_args, rank, world_size, compiled_route_key())
     plain_sinks = sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)  # sinks are parameters

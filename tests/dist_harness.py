@@ -162,6 +162,21 @@ def run_in_fresh_pool(world_size: int, fn, *args, timeout: float = 120.0, pg_bac
         pool.close()
 
 
+_HYBRID: dict = {}
+
+
+def _hybrid_groups(as_mesh: bool = True):
+    """On a 4-rank pool: a 2x2 CP mesh (dim 0 "ring", dim 1 "ulysses"; CP rank = ring rank * 2 +
+    Ulysses rank), as a DeviceMesh or as the (ring group, Ulysses group) pair. Made once per pool
+    (creating groups is collective: every rank makes them in the same order)."""
+    if "mesh" not in _HYBRID:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _HYBRID["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    mesh = _HYBRID["mesh"]
+    return mesh if as_mesh else (mesh.get_group(0), mesh.get_group(1))
+
+
 def close_all() -> None:
     for pool in _POOLS.values():
         pool.close()

@@ -1,4 +1,4 @@
-"""The all-gather schedule (kv_exchange="allgather"): its plans against brute-force masks (pure
+"""The all-gather schedule (strategy="allgather"): its plans against brute-force masks (pure
 Python), the auto rule, and its results against single-process attention on spawned gloo ranks
 (float64 to 1e-10; bfloat16 within 1.5x the kernel's own error), eager and compiled."""
 
@@ -21,7 +21,7 @@ from dtcp.plan import (
 ALLGATHER_AUTO_MAX_BYTES = dtcp.config.allgather_max_bytes
 
 
-def choose_kv_exchange(*args):
+def choose_exchange(*args):
     """The exchange auto tries first (the ring is always its fallback)."""
     return exchange_candidates(*args, ALLGATHER_AUTO_MAX_BYTES)[0]
 from reference import rel_err
@@ -104,23 +104,23 @@ def test_allgather_refuses_layouts_with_many_runs():
     why = allgather_reason(dtcp.Striped(1), 8, 4)
     assert why is not None and "8 separate runs" in why
     assert "unequal lengths" in allgather_reason(dtcp.DocZigzag((5, 11)), 8, 2)
-    with pytest.raises(ValueError, match="Use kv_exchange='ring'"):
+    with pytest.raises(ValueError, match="Use strategy='ring'"):
         allgather_plans(dtcp.Striped(2), 8, 2, True)
 
 
 def test_auto_rule():
     z, c, s1 = dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1)
     small, big = ALLGATHER_AUTO_MAX_BYTES, ALLGATHER_AUTO_MAX_BYTES + 1
-    assert choose_kv_exchange("auto", z, 1024, 2, "cuda", small) == "allgather"
-    assert choose_kv_exchange("auto", c, 1024, 4, "cuda", small) == "allgather"
-    assert choose_kv_exchange("auto", z, 1024, 2, "cuda", big) == "ring"       # large: overlap wins
-    assert choose_kv_exchange("auto", s1, 1024, 2, "cuda", small) == "ring"    # one call per stripe
-    assert choose_kv_exchange("auto", z, 1024, 2, "cpu", small) == "ring"      # CPU: the ring
-    assert choose_kv_exchange("auto", z, 1024, 1, "cuda", small) == "ring"     # nothing to gather
-    assert choose_kv_exchange("allgather", z, 1024, 2, "cpu", big) == "allgather"
-    assert choose_kv_exchange("ring", z, 1024, 2, "cuda", small) == "ring"
-    with pytest.raises(ValueError, match="kv_exchange must be one of"):
-        choose_kv_exchange("p2p", z, 1024, 2, "cuda", small)
+    assert choose_exchange("auto", z, 1024, 2, "cuda", small) == "allgather"
+    assert choose_exchange("auto", c, 1024, 4, "cuda", small) == "allgather"
+    assert choose_exchange("auto", z, 1024, 2, "cuda", big) == "ring"       # large: overlap wins
+    assert choose_exchange("auto", s1, 1024, 2, "cuda", small) == "ring"    # one call per stripe
+    assert choose_exchange("auto", z, 1024, 2, "cpu", small) == "ring"      # CPU: the ring
+    assert choose_exchange("auto", z, 1024, 1, "cuda", small) == "ring"     # nothing to gather
+    assert choose_exchange("allgather", z, 1024, 2, "cpu", big) == "allgather"
+    assert choose_exchange("ring", z, 1024, 2, "cuda", small) == "ring"
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        choose_exchange("p2p", z, 1024, 2, "cuda", small)
 
 
 # ---- against single-process attention, float64 ----------------------------------------------------
@@ -158,7 +158,7 @@ def test_allgather_low_precision_within_kernel_error(world_size):
 @pytest.mark.parametrize("window,is_causal", [((0, 0), True), ((2, 0), True), ((6, 0), True), ((40, 0), True),
                                               ((1, 2), False), ((5, 6), False), ((-1, 3), False)], ids=str)
 def test_allgather_windows_contiguous(window, is_causal):
-    assert_exact(run_ranks(4, masked_errors, "contiguous", 16, is_causal, window, kv_exchange="allgather"), window)
+    assert_exact(run_ranks(4, masked_errors, "contiguous", 16, is_causal, window, strategy="allgather"), window)
 
 
 @pytest.mark.parametrize("cu", [[0, 2, 5, 7, 16], [0, 11, 16], [0, 1, 2, 3, 9, 10, 16]], ids=str)
@@ -166,20 +166,20 @@ def test_allgather_windows_contiguous(window, is_causal):
     ("contiguous", (-1, -1), True), ("contiguous", (1, 2), False), ("zigzag", (6, 0), True), ("zigzag", None, False),
 ], ids=str)
 def test_allgather_documents(cu, layout, window, is_causal):
-    assert_exact(run_ranks(4, masked_errors, layout, 16, is_causal, window, cu, kv_exchange="allgather"),
+    assert_exact(run_ranks(4, masked_errors, layout, 16, is_causal, window, cu, strategy="allgather"),
                  (cu, layout, window))
 
 
 # ---- what travels --------------------------------------------------------------------------------
 
-def allgather_traffic(kv_exchange, fast_path=True):
+def allgather_traffic(strategy, fast_path=True):
     n = dist.get_world_size()
     q = torch.randn(1, 4, 8, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)
     with dtcp.config.override(eager_fast_path=fast_path):
         STATS.reset()
-        out = dtcp.ring_attention(q, k, v, is_causal=True, enable_gqa=True, kv_exchange=kv_exchange)
+        out = dtcp.ring_attention(q, k, v, is_causal=True, enable_gqa=True, strategy=strategy)
         fwd = (STATS.kv_rounds, STATS.kv_bytes_sent)
         out.sum().backward()
     kv_bytes = 2 * k.numel() * k.element_size()
@@ -206,7 +206,7 @@ def test_allgather_sends_kv_once_per_pass_with_kv_heads():
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_allgather_compile_aot_eager(layout):
-    for r in run_ranks(2, compiled_vs_eager, "aot_eager", layout, kv_exchange="allgather", timeout=300):
+    for r in run_ranks(2, compiled_vs_eager, "aot_eager", layout, strategy="allgather", timeout=300):
         assert r["graph_breaks"] == 0 and r["frames"] == 1, r
         assert r["max_err"] < 1e-12, r
 
@@ -220,7 +220,7 @@ def ring_vs_allgather():
     res = {}
     for x in ("ring", "allgather"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = dtcp.ring_attention(*leaves, is_causal=True, enable_gqa=True, return_lse=True, kv_exchange=x,
+        out, lse = dtcp.ring_attention(*leaves, is_causal=True, enable_gqa=True, return_lse=True, strategy=x,
                                        window_size=(7, 0), layout="contiguous")
         out.backward(torch.cos(out.detach()))
         res[x] = [out, lse] + [t.grad for t in leaves]
@@ -231,7 +231,7 @@ def test_ring_and_allgather_agree():
     assert max(run_ranks(3, ring_vs_allgather)) < 1e-12
 
 
-def compiled_graph_ops(kv_exchange, dtype_name="float64"):
+def compiled_graph_ops(strategy, dtype_name="float64"):
     """Compile TinyAttention with a backend that records the forward and backward graphs AOT
     autograd hands to the compiler; return which communication and attention ops they call."""
     from functorch.compile import make_boxed_func
@@ -247,7 +247,7 @@ def compiled_graph_ops(kv_exchange, dtype_name="float64"):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = TinyAttention(layout="zigzag", kv_exchange=kv_exchange).to(getattr(torch, dtype_name))
+    model = TinyAttention(layout="zigzag", strategy=strategy).to(getattr(torch, dtype_name))
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
     x = torch.randn(2, 8, 16, dtype=getattr(torch, dtype_name))
     compiled(x).square().sum().backward()
@@ -275,7 +275,7 @@ def test_allgather_compile_inductor():
     rank as an argument), and a rank then ran another rank's graph: errors of order 1."""
     for _ in range(2):
         results = run_ranks(2, compiled_vs_eager, "inductor", "zigzag", dtype_name="float32",
-                            kv_exchange="allgather", timeout=600)
+                            strategy="allgather", timeout=600)
         for r in results:
             assert r["graph_breaks"] == 0 and r["frames"] == 1, r
             assert r["max_err"] < 1e-5, r
@@ -298,9 +298,9 @@ def compiled_allgather_window_and_documents():
 
     def attn(q, k, v, cu):
         a = dtcp.ring_attention(q, k, v, layout="contiguous", is_causal=True, enable_gqa=True, window_size=(5, 0),
-                                kv_exchange="allgather")
+                                strategy="allgather")
         b = dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, enable_gqa=True, cu_seqlens=cu,
-                                kv_exchange="allgather")
+                                strategy="allgather")
         return a + b
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -335,7 +335,7 @@ def compiled_low_precision_errors(world_size_unused=None):
 
     def attn(q, k, v):
         return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, backend="math",
-                                   return_lse=True, kv_exchange="allgather")
+                                   return_lse=True, strategy="allgather")
 
     torch._dynamo.reset()
     local = [shard(t).to(torch.bfloat16).detach().requires_grad_() for t in (q, k, v)]

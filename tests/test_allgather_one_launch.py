@@ -148,7 +148,7 @@ def compiled_one_launch_vs_eager(compile_backend):
 
     def attn(q, k, v):
         return dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, enable_gqa=True, backend="math",
-                                   return_lse=True, kv_exchange="allgather")
+                                   return_lse=True, strategy="allgather")
 
     saved = allgather_traced.one_launch_reason, allgather_traced.flash_varlen_differentiable
     allgather_traced.one_launch_reason = lambda plan, kernel, q: None if len(plan.tasks) > 1 else "one task"

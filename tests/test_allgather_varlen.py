@@ -95,7 +95,7 @@ def flatten_row_cus(row_cus, seq_len):
 
 
 def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 2), d=8, backend="math",
-                   kv_exchange="allgather", one_launch=False, local_len=4, seed=0):
+                   strategy="allgather", one_launch=False, local_len=4, seed=0):
     """On every rank: errors of out, lse, dq, dk, dv against reference attention with each batch
     row's own document mask, and the kind of plan the call took."""
     import torch.distributed as dist
@@ -128,11 +128,11 @@ def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 
         clear_routes()
         out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv,
                                        backend=backend, return_lse=True, window_size=window, cu_seqlens=cu,
-                                       kv_exchange=kv_exchange)
+                                       strategy=strategy)
         out.backward(layout.shard(dout, dim=2))
         scale = default_scale(d)
         args = CallArgs(dist.group.WORLD.group_name, layout.spec(), is_causal, scale, backend,
-                        *(window or (-1, -1)), kv_exchange)
+                        *(window or (-1, -1)), strategy)
         plan = route_for(local[0], local[1], local[2], args, tuple(cu.tolist()), "test").plan
     finally:
         if kernel is not None:
@@ -186,11 +186,11 @@ def test_shared_documents_one_launch_route():
     assert {r["plan"] for r in results} == {"AllGatherPlan"}
 
 
-@pytest.mark.parametrize("kv_exchange,backend", [("ring", "auto"), ("ring", "math"), ("ring", "cpu_flash")])
-def test_rows_with_own_documents_without_a_varlen_call(kv_exchange, backend):
+@pytest.mark.parametrize("strategy,backend", [("ring", "auto"), ("ring", "math"), ("ring", "cpu_flash")])
+def test_rows_with_own_documents_without_a_varlen_call(strategy, backend):
     """The ring takes the rows one by one (one ring per row): still exact."""
-    results = run_ranks(4, per_row_errors, "zigzag", ROWS_16, True, None, backend=backend, kv_exchange=kv_exchange)
-    assert_exact(results, (kv_exchange, backend))
+    results = run_ranks(4, per_row_errors, "zigzag", ROWS_16, True, None, backend=backend, strategy=strategy)
+    assert_exact(results, (strategy, backend))
     assert {r["plan"] for r in results} == {"tuple"}
 
 
@@ -216,7 +216,7 @@ def compiled_per_row(compile_backend):
 
     def attn(q, k, v, cu):
         return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, cu_seqlens=cu,
-                                   backend="math", kv_exchange="allgather")
+                                   backend="math", strategy="allgather")
 
     counter = CompileCounterWithBackend(compile_backend)
     compiled = torch.compile(attn, backend=counter, fullgraph=True)
@@ -258,7 +258,7 @@ def bad_cu(values, batch=2):
     q = torch.zeros(batch, 2, 8, 4, dtype=torch.float64)
     try:
         dtcp.ring_attention(q, q, q, layout="zigzag", is_causal=True, cu_seqlens=torch.tensor(values),
-                            kv_exchange="allgather")
+                            strategy="allgather")
     except ValueError as e:
         return str(e)
     return f"no error for S={s}"

@@ -13,25 +13,25 @@ from reference import rel_err
 
 
 class TinyAttention(torch.nn.Module):
-    def __init__(self, dim=16, hq=4, hkv=2, layout="zigzag", kv_exchange="auto"):
+    def __init__(self, dim=16, hq=4, hkv=2, layout="zigzag", strategy="auto"):
         super().__init__()
         self.hq, self.hkv, self.hd = hq, hkv, dim // hq
         self.q = torch.nn.Linear(dim, hq * self.hd, bias=False)
         self.kv = torch.nn.Linear(dim, 2 * hkv * self.hd, bias=False)
         self.o = torch.nn.Linear(hq * self.hd, dim, bias=False)
         self.layout = dtcp.layout_from_spec(layout)
-        self.kv_exchange = kv_exchange
+        self.strategy = strategy
 
     def forward(self, x):  # x: (B, S_local, dim)
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.hq, self.hd).transpose(1, 2)
         k, v = self.kv(x).view(b, s, 2, self.hkv, self.hd).permute(2, 0, 3, 1, 4)
         y = dtcp.ring_attention(q, k, v, layout=self.layout, is_causal=True, enable_gqa=True,
-                                kv_exchange=self.kv_exchange)
+                                strategy=self.strategy)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
-def compiled_vs_eager(compile_backend, layout, steps=3, dtype_name="float64", kv_exchange="auto"):
+def compiled_vs_eager(compile_backend, layout, steps=3, dtype_name="float64", strategy="auto"):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -39,8 +39,8 @@ def compiled_vs_eager(compile_backend, layout, steps=3, dtype_name="float64", kv
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = TinyAttention(layout=layout, kv_exchange=kv_exchange).to(dtype)
-    comp = TinyAttention(layout=layout, kv_exchange=kv_exchange).to(dtype)
+    eager = TinyAttention(layout=layout, strategy=strategy).to(dtype)
+    comp = TinyAttention(layout=layout, strategy=strategy).to(dtype)
     comp.load_state_dict(eager.state_dict())
     counter = CompileCounterWithBackend(compile_backend)
     compiled = torch.compile(comp, backend=counter, fullgraph=True)

@@ -20,20 +20,20 @@ DIM = 16
 class Block(torch.nn.Module):
     """Projections around one dtcp.ring_attention call, as a model layer has them."""
 
-    def __init__(self, layout="zigzag", kv_exchange="auto", window=None, hq=4, hkv=2):
+    def __init__(self, layout="zigzag", strategy="auto", window=None, hq=4, hkv=2):
         super().__init__()
         self.hq, self.hkv, self.hd = hq, hkv, DIM // hq
         self.q = torch.nn.Linear(DIM, hq * self.hd, bias=False)
         self.kv = torch.nn.Linear(DIM, 2 * hkv * self.hd, bias=False)
         self.o = torch.nn.Linear(hq * self.hd, DIM, bias=False)
-        self.layout, self.kv_exchange, self.window = dtcp.layout_from_spec(layout), kv_exchange, window
+        self.layout, self.strategy, self.window = dtcp.layout_from_spec(layout), strategy, window
 
     def forward(self, x, cu_seqlens=None):  # x: (B, S_local, DIM)
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.hq, self.hd).transpose(1, 2)
         k, v = self.kv(x).view(b, s, 2, self.hkv, self.hd).permute(2, 0, 3, 1, 4)
         y = dtcp.ring_attention(q, k, v, layout=self.layout, is_causal=True, enable_gqa=True,
-                                kv_exchange=self.kv_exchange, window_size=self.window, cu_seqlens=cu_seqlens)
+                                strategy=self.strategy, window_size=self.window, cu_seqlens=cu_seqlens)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -42,7 +42,7 @@ class Block(torch.nn.Module):
 STEPS = [(2, 8), (3, 12), (2, 16), (4, 4), (3, 20), (2, 8)]
 
 
-def changing_shapes(compile_backend, mode, layout="zigzag", kv_exchange="auto", window=None, documents=False,
+def changing_shapes(compile_backend, mode, layout="zigzag", strategy="auto", window=None, documents=False,
                     dtype_name="float64"):
     """Per step: eager vs compiled output and parameter gradients; frames compiled after each step."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -52,8 +52,8 @@ def changing_shapes(compile_backend, mode, layout="zigzag", kv_exchange="auto", 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = Block(layout, kv_exchange, window).to(dtype)
-    model = Block(layout, kv_exchange, window).to(dtype)
+    eager = Block(layout, strategy, window).to(dtype)
+    model = Block(layout, strategy, window).to(dtype)
     model.load_state_dict(eager.state_dict())
     counter = CompileCounterWithBackend(compile_backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True if mode == "dynamic" else None)
@@ -90,9 +90,9 @@ def check(results, tol):
 
 
 @pytest.mark.parametrize("mode", ["automatic", "dynamic", "mark_dynamic"])
-@pytest.mark.parametrize("layout,kv_exchange", [("zigzag", "ring"), ("zigzag", "allgather"), ("contiguous", "ring")])
-def test_changing_shapes_aot_eager(mode, layout, kv_exchange):
-    check(run_ranks(2, changing_shapes, "aot_eager", mode, layout, kv_exchange, timeout=300), 1e-12)
+@pytest.mark.parametrize("layout,strategy", [("zigzag", "ring"), ("zigzag", "allgather"), ("contiguous", "ring")])
+def test_changing_shapes_aot_eager(mode, layout, strategy):
+    check(run_ranks(2, changing_shapes, "aot_eager", mode, layout, strategy, timeout=300), 1e-12)
 
 
 def test_changing_shapes_with_window_and_documents_aot_eager():

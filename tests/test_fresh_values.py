@@ -212,7 +212,7 @@ def route_switch_reaches_inductor_caches():
     q = torch.randn(1, 2, 8, 8)
 
     def attn(q, k, v):
-        return dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, backend="math", kv_exchange="allgather")
+        return dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, backend="math", strategy="allgather")
 
     seen = []
     ops.route_for = counting_route_for
@@ -233,3 +233,32 @@ def test_route_settings_reach_the_compile_caches():
     for traced_calls, op_calls in run_ranks(2, route_switch_reaches_inductor_caches, timeout=600):
         assert traced_calls == 0, traced_calls  # traced: no custom op runs
         assert op_calls >= 1, op_calls  # switched off: the custom op runs, not a cached traced graph
+
+
+def decomposed_graph_carries_the_route_key():
+    """Inductor's FX-graph cache keys on the graph after dtcp::ring_attention decomposes: the
+    custom op call left there must carry the route key (the source digest), or a graph compiled by
+    an older dtcp (another op schema, the same positional values) would be reused."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dtcp import ops
+
+    codes = []
+
+    def capture(gm, example_inputs):
+        codes.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, strategy="ring"),
+                       backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    fn(q, k, v).sum().backward()
+    torch._dynamo.reset()
+    return {"fw_has_key": ops.SOURCE_DIGEST in codes[0], "bw_has_key": ops.SOURCE_DIGEST in codes[-1],
+            "has_op": "ring_attention_forward" in codes[0], "graphs": len(codes)}
+
+
+def test_decomposed_graph_carries_the_route_key():
+    for r in run_ranks(2, decomposed_graph_carries_the_route_key, timeout=300):
+        assert r == {"fw_has_key": True, "bw_has_key": True, "has_op": True, "graphs": 2}, r

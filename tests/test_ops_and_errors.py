@@ -54,11 +54,14 @@ def error_messages():
         "flex_on_cpu": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="flex"),
         "fa2_missing": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, backend="fa2"),
         "layout_name": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="spiral"),
-        "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True),
+        "mesh_2d": lambda: dtcp.ring_attention(q, k, k.clone(), dist.device_mesh.init_device_mesh("cpu", (1, dist.get_world_size())), enable_gqa=True, strategy="ring"),
+        "hybrid_1d": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, strategy="hybrid"),
+        "alias_disagrees": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, strategy="ring", kv_exchange="allgather"),
         "striped_zero": lambda: dtcp.Striped(0),
-        "kv_exchange": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, kv_exchange="alltoall"),
+        "strategy": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, strategy="alltoall"),
+        "kv_exchange": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, kv_exchange="ulysses"),
         "allgather_striped": lambda: dtcp.ring_attention(q, k, k.clone(), enable_gqa=True, layout="striped:1",
-                                                         kv_exchange="allgather"),
+                                                         strategy="allgather"),
     }
     return error_messages_of(cases)
 
@@ -78,10 +81,13 @@ EXPECTED = {
     "flex_on_cpu": "flex needs CUDA tensors",
     "fa2_missing": "fa2 needs the flash-attn package",
     "layout_name": "unknown layout",
-    "mesh_2d": "must be 1-D",
+    "mesh_2d": "strategy='ring' runs on a 1-D group, and group is a 2-D mesh",
+    "hybrid_1d": "strategy='hybrid' needs a 2-D context-parallel mesh",
+    "alias_disagrees": "strategy='ring' and kv_exchange='allgather' disagree",
     "striped_zero": "positive int",
+    "strategy": "strategy must be one of ('auto', 'ring', 'allgather', 'ulysses', 'hybrid')",
     "kv_exchange": "kv_exchange must be one of ('auto', 'ring', 'allgather')",
-    "allgather_striped": "Use kv_exchange='ring'",
+    "allgather_striped": "Use strategy='ring'",
 }
 
 

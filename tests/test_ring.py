@@ -22,7 +22,7 @@ def make_inputs(seed, b, hq, hkv, s, d):
 
 
 def ring_errors(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name="float64", backend="auto", seed=0,
-                kv_exchange="auto", keep_outputs=False):
+                strategy="auto", keep_outputs=False):
     """Runs on every rank: relative errors of out, lse, dq, dk, dv against the float64 reference,
     and, for low precision, the errors of the same kernel run on one process over the full
     sequence (the kernel's own error)."""
@@ -37,7 +37,7 @@ def ring_errors(layout_spec, is_causal, b, hq, hkv, s, d, dtype_name="float64", 
     local = [layout.shard(t.to(dtype), dim=2).detach().requires_grad_() for t in (q, k, v)]
     out, lse = dtcp.ring_attention(
         *local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv, backend=backend, return_lse=True,
-        kv_exchange=kv_exchange,
+        strategy=strategy,
     )
     out.backward(layout.shard(dout.to(dtype), dim=2))
     shard = lambda t: layout.shard(t, dim=2)  # noqa: E731

@@ -40,7 +40,7 @@ def dense_reference(q, k, v, *, mask, scale, softcap=None, sinks=None):
 
 
 def errors(layout_spec, s, *, is_causal=True, window=None, cu=None, heads=(4, 2), d=8, dv=None, b=2,
-           softcap=None, with_sinks=False, kv_exchange="ring", backend="auto", seed=0):
+           softcap=None, with_sinks=False, strategy="ring", backend="auto", seed=0, group=None):
     hq, hkv = heads
     dv = dv or d
     layout = dtcp.layout_from_spec(layout_spec)
@@ -57,15 +57,17 @@ def errors(layout_spec, s, *, is_causal=True, window=None, cu=None, heads=(4, 2)
     out_ref, lse_ref = dense_reference(*ref, mask=mask, scale=scale, softcap=softcap, sinks=ref_sinks)
     out_ref.backward(dout)
 
-    local = [layout.shard(t, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    local = [layout.shard(t, group, dim=2).clone().requires_grad_() for t in (q, k, v)]
     my_sinks = None if sinks is None else sinks.clone().requires_grad_()
     kwargs = dict(layout=layout, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv, return_lse=True,
-                  window_size=window, softcap=softcap, sinks=my_sinks, kv_exchange=kv_exchange, backend=backend)
+                  window_size=window, softcap=softcap, sinks=my_sinks, strategy=strategy, backend=backend)
+    if group is not None:
+        kwargs["group"] = group
     if cu is not None:
         kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
     out, lse = dtcp.ring_attention(*local, **kwargs)
-    out.backward(layout.shard(dout, dim=2))
-    shard = lambda t: layout.shard(t, dim=2)  # noqa: E731
+    out.backward(layout.shard(dout, group, dim=2))
+    shard = lambda t: layout.shard(t, group, dim=2)  # noqa: E731
     got = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     want = {"out": shard(out_ref), "lse": shard(lse_ref), "dq": shard(ref[0].grad), "dk": shard(ref[1].grad),
             "dv": shard(ref[2].grad)}
@@ -85,15 +87,15 @@ def assert_exact(results, what):
                 assert r[key] < 1e-10, (what, key, r)
 
 
-@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("features", ["softcap", "sinks", "both"])
-def test_softcap_and_sinks_exact(kv_exchange, layout, features):
+def test_softcap_and_sinks_exact(strategy, layout, features):
     softcap = 2.5 if features in ("softcap", "both") else None
     sinks = features in ("sinks", "both")
-    backend = "math" if kv_exchange == "allgather" else "auto"  # cpu_flash has neither: auto picks math
-    assert_exact(run_ranks(2, errors, layout, 16, softcap=softcap, with_sinks=sinks, kv_exchange=kv_exchange,
-                           backend=backend), (layout, features, kv_exchange))
+    backend = "math" if strategy == "allgather" else "auto"  # cpu_flash has neither: auto picks math
+    assert_exact(run_ranks(2, errors, layout, 16, softcap=softcap, with_sinks=sinks, strategy=strategy,
+                           backend=backend), (layout, features, strategy))
 
 
 @pytest.mark.parametrize("case", ["window", "documents", "full", "striped", "mqa"])
@@ -112,12 +114,12 @@ def test_softcap_and_sinks_with_masks_four_ranks(case):
     assert_exact(results, case)
 
 
-@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_value_head_dim_of_its_own(kv_exchange, layout):
+def test_value_head_dim_of_its_own(strategy, layout):
     """MLA-style: q/k head dim 12, v head dim 8 (SDPA allows it)."""
-    results = run_ranks(2, errors, layout, 16, d=12, dv=8, kv_exchange=kv_exchange, backend="math")
-    assert_exact(results, (layout, kv_exchange))
+    results = run_ranks(2, errors, layout, 16, d=12, dv=8, strategy=strategy, backend="math")
+    assert_exact(results, (layout, strategy))
     assert all(r["out_shape"] == (2, 4, 8, 8) for r in results)
 
 
@@ -191,7 +193,7 @@ def feature_errors():
         "cpu_flash_value_dim": lambda: dtcp.ring_attention(q, k, torch.randn(1, 2, 8, 4, dtype=torch.float64),
                                                           enable_gqa=True, backend="cpu_flash"),
         "allgather_sinks_cpu_flash": lambda: dtcp.ring_attention(q, k, k, enable_gqa=True, sinks=torch.zeros(4),
-                                                                 kv_exchange="allgather", backend="cpu_flash"),
+                                                                 strategy="allgather", backend="cpu_flash"),
     }
     for name, call in cases.items():
         try:

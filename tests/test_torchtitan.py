@@ -50,7 +50,7 @@ def test_example_configs_parse(name):
     assert cfg.model.name == "llama3_dtcp"
     assert cfg.parallelism.context_parallel_degree == 2
     assert cfg.experimental.custom_import == "dtcp.integrations.torchtitan"
-    assert (cfg.dtcp.layout, cfg.dtcp.backend, cfg.dtcp.window_size, cfg.dtcp.kv_exchange) == ("zigzag", "auto", -1, "auto")
+    assert (cfg.dtcp.layout, cfg.dtcp.backend, cfg.dtcp.window_size, cfg.dtcp.strategy) == ("zigzag", "auto", -1, "auto")
     assert cfg.compile.enable == ("compile" in name)
     assert cfg.model.flavor == ("debugmodel_varlen_attn" if "docmask" in name else "debugmodel")
     opts = dt.dtcp_options(cfg)
@@ -60,9 +60,13 @@ def test_example_configs_parse(name):
 def test_cli_overrides_and_defaults():
     cfg = parse(
         "--job.config_file", os.path.join(EXAMPLES, CONFIGS[0]),
-        "--dtcp.layout", "striped:4", "--dtcp.backend", "math", "--dtcp.kv_exchange", "ring",
+        "--dtcp.layout", "striped:4", "--dtcp.backend", "math", "--dtcp.strategy", "ulysses",
     )
-    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Striped(4), "math", None, "ring")
+    assert dt.dtcp_options(cfg) == dt.DtcpOptions(dtcp.Striped(4), "math", None, "ulysses")
+    # kv_exchange, the deprecated alias, still works (with a warning)
+    cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan", "--dtcp.kv_exchange", "ring")
+    with pytest.warns(DeprecationWarning, match="use \\[dtcp\\] strategy"):
+        assert dt.dtcp_options(cfg).strategy == "ring"
     # The section exists with its defaults whenever the custom config module is named.
     cfg = parse("--job.custom_config_module", "dtcp.integrations.torchtitan")
     assert cfg.dtcp == dt.Dtcp()
@@ -78,6 +82,7 @@ def test_cli_overrides_and_defaults():
         ("backend", "fast", r"\[dtcp\] backend = 'fast': use one of \['auto', "),
         ("window_size", -2, r"\[dtcp\] window_size = -2"),
         ("kv_exchange", "p2p", r"\[dtcp\] kv_exchange = 'p2p': use one of \['auto', 'ring', 'allgather'\]"),
+        ("strategy", "hybrid", r"\[dtcp\] strategy = 'hybrid': use one of \['auto', 'ring', 'allgather', 'ulysses'\]"),
     ],
 )
 def test_bad_options_name_the_key(field, value, match):
@@ -412,7 +417,7 @@ def worker_torchtitan_pieces(compile_backend, layout, documents=False, kv_exchan
             "--model.name", "llama3_dtcp", "--parallelism.context_parallel_degree", "2",
             "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
             "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-            "--dtcp.layout", layout, "--dtcp.kv_exchange", kv_exchange]
+            "--dtcp.layout", layout, "--dtcp.strategy", kv_exchange]
     if compile_backend:
         args += ["--compile.enable", "--compile.backend", compile_backend]
     cfg = parse(*args)

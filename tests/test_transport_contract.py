@@ -90,7 +90,7 @@ def ring_over_contract(dtype_name, backward, window):
         out_ref, _ = reference_attention(*ref, is_causal=True, mask=mask)
         out_ref.backward(dout)
         local = [layout.shard(t, g, dim=2).to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        out = dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True, kv_exchange="ring",
+        out = dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True, strategy="ring",
                                   window_size=window)
         errs = {"out": rel_err(out, layout.shard(out_ref, g, dim=2))}
         if backward:

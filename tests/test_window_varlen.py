@@ -32,7 +32,7 @@ def err(a, b):
 
 
 def masked_errors(layout_spec, s, is_causal=False, window=None, cu=None, heads=(4, 2), d=8, b=2,
-                  backend="auto", seed=0, how="kwarg", kv_exchange="auto"):
+                  backend="auto", seed=0, how="kwarg", strategy="auto"):
     """On every rank: relative errors of out, lse, dq, dk, dv against reference attention with
     the same window and document mask (its fully masked rows: out 0, lse 0, no gradient).
     `how` passes the window as window_size= ("kwarg"), through dtcp.attention_window ("scope")
@@ -49,7 +49,7 @@ def masked_errors(layout_spec, s, is_causal=False, window=None, cu=None, heads=(
 
     local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
     kwargs = dict(layout=layout, is_causal=is_causal, enable_gqa=hq != hkv, backend=backend, return_lse=True,
-                  kv_exchange=kv_exchange)
+                  strategy=strategy)
     if cu is not None:
         kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
     if how == "scope":

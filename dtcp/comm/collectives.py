@@ -1,4 +1,6 @@
-"""Collectives of the all-gather schedule, counted in dtcp.comm_stats where they are issued."""
+"""Collectives of the all-gather schedule and of the head exchange (Ulysses), counted in
+dtcp.comm_stats where they are issued. A group of one rank exchanges nothing: its
+collectives return their input."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from .stats import STATS
 def all_gather_kv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: int) -> torch.Tensor:
     """(N * send.shape[0], ...): every rank's `send` (its stacked K and V), rank-major. Counted as one
     K/V round: this rank's tensor reaches N - 1 peers."""
+    if world_size == 1:
+        return send
     # flat along dim 0: gloo takes no stacked shape
     gathered = send.new_empty((world_size * send.shape[0],) + send.shape[1:])
     _compat.all_gather_into(gathered, send, pg)
@@ -23,10 +27,24 @@ def reduce_scatter_dkv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: 
     """(send.shape[0] / N, ...): the sum over ranks of this rank's part of `send` (every rank's
     stacked dK and dV shares, rank-major). Counted as one dK/dV round: the N - 1 parts that are not
     this rank's leave it."""
+    if world_size == 1:
+        return send
     mine = send.new_empty((send.shape[0] // world_size,) + send.shape[1:])
     _compat.reduce_scatter_into(mine, send, pg)
     STATS.count("grad", (send.numel() - mine.numel()) * send.element_size())
     return mine
+
+
+def all_to_all_bytes(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: int) -> torch.Tensor:
+    """(U, row) uint8 -> (U, row) uint8: row j of the result is rank j's row for this rank (each
+    rank's row u goes to rank u). Counted as one head-exchange round: the U - 1 rows that are not
+    this rank's leave it."""
+    if world_size == 1:
+        return send
+    recv = torch.empty_like(send)
+    _compat.all_to_all_into(recv, send, pg)
+    STATS.count("heads", (world_size - 1) * send.shape[1])
+    return recv
 
 
 def all_gather_traceable(x: torch.Tensor, pg: "dist.ProcessGroup") -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The all-gather schedule (`kv_exchange="allgather"`): forward and backward on plain tensors.
+"""The all-gather schedule (`strategy="allgather"`): forward and backward on plain tensors.
 
 Per task (`AllGatherPlan`): every rank's K/V are gathered in one collective, put in global token
 order, and each task is one kernel call of a run of this rank's queries against every key it

@@ -1,14 +1,20 @@
-"""Routes: what one call runs (exchange, plan, kernel, transport), and running it safely.
+"""Routes: what one call runs (strategy, plans, kernel, transport), and running it safely.
 
 A call's *signature* is everything that decides what it computes: shapes, dtype, device, layout,
-mask (causal, window, `cu_seqlens` values), scale, requested exchange and backend, group. The
+mask (causal, window, `cu_seqlens` values), scale, requested strategy and backend, groups. The
 first time a rank meets a signature it builds the route locally (plans for every rank, the
 exchange, a kernel that serves every rank's tasks; no communication) and then the ranks *agree*
 on it (dtcp/comm/guard.py): different arguments, or an error on any rank, raise on every rank
 before any data moves. Routes are cached per group by signature value, so nothing in a key can
 change behind dtcp's back: `cu_seqlens` values are read once per call, where the call happens.
 
-`run_forward` / `run_backward` dispatch on the plan type. Any failure inside them marks the group
+Strategies (`Route.strategy`): "ring" and "allgather" move K/V over the call's group; "ulysses"
+exchanges heads for tokens over the group (exec/ulysses.py) and runs local attention over the whole
+sequence; "hybrid" exchanges heads over the Ulysses group of a 2-D mesh and runs the ring (or
+all-gather) across the Ulysses groups. Every strategy ends in the same per-exchange executors:
+`Route.exchange` and `Route.plan` describe the attention after any head exchange.
+
+`run_forward` / `run_backward` dispatch on the plan type. Any failure inside them marks the groups
 failed and tells the other ranks (their bounded waits end with PeerFailedError/PeerTimeoutError),
 and this rank re-raises its own error.
 """
@@ -33,11 +39,14 @@ from ..errors import DtcpError, PeerFailedError, PeerTimeoutError
 from ..kernels import Kernel, acc_dtype, select_kernel
 from ..layouts import DocZigzag, Layout, layout_from_spec
 from ..plan import (
-    AllGatherPlan, AttnMask, RingPlan, VarlenPlan, allgather_plans, exchange_candidates, ring_plans,
-    row_cu_seqlens, segments_from_cu_seqlens, varlen_reason,
+    AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
+    allgather_reason, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans, row_cu_seqlens,
+    segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
+from ..plan.cost import machine_for, rank as rank_strategies
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
 from .ring import ring_backward, ring_forward
+from .ulysses import to_heads, to_sequence
 
 _MAX_ROUTES = 256  # per group; a training loop with a new document structure every batch cycles through
 
@@ -53,8 +62,9 @@ class CallArgs:
     backend: str
     window_left: int
     window_right: int
-    kv_exchange: str
+    strategy: str
     softcap: float = 0.0  # 0: none
+    head_group_name: str = ""  # the Ulysses group of a 2-D mesh ("": the call's group is 1-D)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -69,12 +79,19 @@ Plan = Union[RingPlan, AllGatherPlan, VarlenPlan, tuple]
 
 
 class Route:
-    """One signature's exchange, this rank's plan and the kernel (the same kernel on every rank)."""
+    """One signature's strategy, plans and kernel (the same kernel on every rank).
 
-    def __init__(self, state: GroupState, exchange: str, plan: Plan, kernel: Kernel, signature: dict,
-                 softcap: Optional[float]):
-        self.state, self.exchange, self.plan, self.kernel = state, exchange, plan, kernel
+    `state` is the call's group (for a 2-D mesh, its ring dim). `head_state` is the group heads
+    are exchanged over (None for "ring" and "allgather"; the call's group for "ulysses"; the
+    Ulysses dim for "hybrid"), `heads` this rank's head exchange. `exchange` and `plan` are the
+    attention after it, over `seq_state` (None when that is one rank: "ulysses")."""
+
+    def __init__(self, state: GroupState, head_state: Optional[GroupState], strategy: str, exchange: str,
+                 heads: Optional[UlyssesPlan], plan: Plan, kernel: Kernel, signature: dict, softcap: Optional[float]):
+        self.state, self.head_state, self.strategy, self.exchange = state, head_state, strategy, exchange
+        self.heads, self.plan, self.kernel = heads, plan, kernel
         self.signature, self.softcap = signature, softcap
+        self.seq_state = None if strategy == "ulysses" else state
 
     @property
     def rank(self) -> int:
@@ -84,13 +101,26 @@ class Route:
     def world_size(self) -> int:
         return self.state.size
 
+    @property
+    def states(self) -> list[GroupState]:
+        """Every group this route communicates over."""
+        return [self.state] if self.head_state in (None, self.state) else [self.head_state, self.state]
+
+    @property
+    def agreement_states(self) -> list[GroupState]:
+        return [self.state] if self.strategy != "hybrid" else [self.head_state, self.state]
+
     def comm_group(self):
-        return self.state.comm_group()
+        """dtcp's group for the attention after the head exchange (None: one rank, nothing to move)."""
+        return None if self.seq_state is None else self.seq_state.comm_group()
+
+    def head_comm_group(self):
+        return self.head_state.comm_group()
 
     def ring_comm(self, q: torch.Tensor, k: torch.Tensor, backward: bool) -> RingComm:
         """The ring's exchange on q's device, its copy-engine slots sized for this route's K/V (and,
         for a backward, float32 dK/dV) before the first exchange. Collective on first use."""
-        state, device = self.state, q.device
+        state, device = self.seq_state, q.device
         comm = state.rings.get(device)
         if comm is None:
             comm = state.rings[device] = RingComm(state, device, copy_engine_ring(state, device))
@@ -112,28 +142,50 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     """The cached route of this call's signature, built and agreed on first use. `sinks` matter
     by presence and shape only (their values are parameters, like q's)."""
     state = state_of(_compat.group_from_name(args.group_name))
-    state.guard.check_healthy()
+    head_state = state_of(_compat.group_from_name(args.head_group_name)) if args.head_group_name else None
+    for s in (state, head_state):
+        if s is not None:
+            s.guard.check_healthy()
     sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
-           args.scale, args.window, cu_values, args.kv_exchange, args.backend, args.softcap, sinks_shape)
+           args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
+           args.head_group_name)
     routes = _routes_of(state)
     route = routes.get(key)
-    if route is not None:
+    if route is not None and route.head_state is (head_state or route.head_state):
         routes.move_to_end(key)
         if config.check_every_call:
-            state.guard.agree(what, route.signature)
+            _agree(route.agreement_states, what, route.signature)
         return route
-    signature = _signature(q, k, v, args, cu_values, state.size, sinks_shape)
+    signature = _signature(q, k, v, args, cu_values, state, head_state, sinks_shape)
+    guards = [state] if head_state is None else [head_state, state]  # the same order on every rank
     try:
-        exchange, plan, kernel = _build(q, k, v, args, cu_values, state, sinks is not None)
+        strategy, exchange, heads, plan, kernel = _build(q, k, v, args, cu_values, state, head_state,
+                                                         sinks is not None)
     except (ValueError, TypeError) as e:
-        state.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")  # tell the others, then raise
+        for s in guards:  # tell the others, then raise
+            s.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")
         raise
-    state.guard.agree(what, signature)
-    route = routes[key] = Route(state, exchange, plan, kernel, signature, args.softcap_or_none)
+    _agree(guards, what, signature)
+    if strategy == "ulysses":
+        head_state = state  # the 1-D group exchanges heads; nothing moves after
+    route = Route(state, head_state, strategy, exchange, heads, plan, kernel, signature, args.softcap_or_none)
+    routes[key] = route
     if len(routes) > _MAX_ROUTES:
         routes.popitem(last=False)
     return route
+
+
+def _agree(states: list[GroupState], what: str, signature: dict) -> None:
+    """Agreement on each group in turn; a failure on one is posted to the groups not reached yet,
+    so that their ranks raise too instead of waiting."""
+    for i, s in enumerate(states):
+        try:
+            s.guard.agree(what, signature)
+        except DtcpError as e:
+            for later in states[i + 1:]:
+                later.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")
+            raise
 
 
 def clear_routes() -> None:
@@ -150,22 +202,36 @@ def _routes_of(state: GroupState) -> "OrderedDict":
     return routes
 
 
-def _signature(q, k, v, args: CallArgs, cu_values, world_size: int, sinks_shape) -> dict[str, str]:
+def _signature(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state: Optional[GroupState],
+               sinks_shape) -> dict[str, str]:
     """What must be equal on every rank, as strings (the agreement's fields)."""
     return {
-        "world size": str(world_size),
+        "world size": str(state.size), "head group size": "-" if head_state is None else str(head_state.size),
         "q.shape": str(tuple(q.shape)), "k.shape": str(tuple(k.shape)), "v.shape": str(tuple(v.shape)),
         "dtype": str(q.dtype), "device type": q.device.type, "layout": args.layout,
         "is_causal": str(args.is_causal), "scale": repr(args.scale), "window_size": str(args.window),
-        "cu_seqlens": digest(cu_values), "kv_exchange": args.kv_exchange, "backend": args.backend,
+        "cu_seqlens": digest(cu_values), "strategy": args.strategy, "backend": args.backend,
         "softcap": repr(args.softcap), "sinks": str(sinks_shape),
     }
 
 
-def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, sinks: bool):
-    """(exchange, this rank's plan, kernel): local and deterministic, so every rank that agrees on
-    the signature builds the same (kernel choice looks at every rank's tasks)."""
-    n, r = state.size, state.rank
+@dataclass(frozen=True)
+class _Problem:
+    """One call as the builder sees it: the whole CP group (N = U * R ranks) and the mask."""
+
+    layout: Layout
+    row_segments: tuple
+    world_size: int  # N
+    cp_rank: int  # ring rank * U + ulysses rank on a 2-D mesh
+    head_group_size: int  # U of a 2-D mesh, else 0
+
+
+def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
+    """`state`, `head_state`: anything with .size and .rank (GroupStates; explain() passes plain
+    numbers)."""
+    u = head_state.size if head_state is not None else 0
+    n = state.size * (u or 1)
+    cp_rank = state.rank * u + head_state.rank if head_state is not None else state.rank
     local_len, batch = q.shape[2], q.shape[0]
     seq_len = local_len * n
     if args.layout == "doczigzag":  # the layout's documents travel as cu_seqlens (see DocZigzag)
@@ -179,16 +245,135 @@ def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, sinks: bool):
             row_segments = (None,) * batch
         else:
             row_segments = tuple(segments_from_cu_seqlens(c, seq_len) for c in row_cu_seqlens(cu_values, batch, seq_len))
-    gathered_kv_bytes = 2 * k.numel() * k.element_size() * n
-    candidates = exchange_candidates(args.kv_exchange, layout, local_len, n, q.device.type, gathered_kv_bytes,
-                                     config.allgather_max_bytes)
+    return _Problem(layout, row_segments, n, cp_rank, u)
+
+
+def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state: Optional[GroupState], sinks: bool):
+    """(strategy, exchange, head plan, this rank's plan, kernel): local and deterministic, so every
+    rank that agrees on the signature builds the same (kernel choice looks at every rank's tasks)."""
+    problem = _problem(q, args, cu_values, state, head_state)
+    candidates = strategy_candidates(args.strategy, q, k, v, args, problem)
     error = None
-    for exchange in candidates:
+    for strategy in candidates:
         try:
-            return (exchange,) + _plan_and_kernel(exchange, layout, q, k, v, args, row_segments, n, r, sinks)
+            if strategy in ("ring", "allgather"):
+                plan, kernel = _plan_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
+                                                problem.world_size, problem.cp_rank, sinks)
+                return strategy, strategy, None, plan, kernel
+            return (strategy,) + _heads_route(strategy, q, k, v, args, problem, sinks)
         except ValueError as e:  # e.g. the named kernel cannot serve this schedule: try the next
             error = e
     raise error
+
+
+def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sinks: bool):
+    """(exchange, head plan, plan, kernel) of "ulysses" (U = N, local attention after the head
+    exchange) or "hybrid" (U = the mesh's Ulysses dim, then the ring or all-gather over R groups)."""
+    n, local_len, batch = problem.world_size, q.shape[2], q.shape[0]
+    u = n if strategy == "ulysses" else problem.head_group_size
+    r = n // u
+    heads = ulysses_plan(problem.layout, local_len, u, r, problem.cp_rank, q.shape[1], k.shape[1],
+                         f"strategy={strategy!r}")
+    inner = inner_layout(problem.layout, u, r)
+
+    def like(x, per_rank):  # stands for the exchanged tensor where only shape, dtype and device matter
+        return x.new_empty(()).expand(batch, per_rank, u * local_len, x.shape[3])
+
+    q_h, k_h, v_h = like(q, heads.q.per_rank), like(k, heads.kv.per_rank), like(v, heads.kv.per_rank)
+    if r == 1:
+        exchanges = ("allgather", "ring")  # one rank: nothing moves; the all-gather plan takes varlen in one call
+    else:
+        gathered_kv_bytes = 2 * k_h.numel() * k.element_size() * r
+        exchanges = exchange_candidates("auto", inner, u * local_len, r, q.device.type, gathered_kv_bytes,
+                                        config.allgather_max_bytes)
+    error = None
+    for exchange in exchanges:
+        try:
+            plan, kernel = _plan_and_kernel(exchange, inner, q_h, k_h, v_h, args, problem.row_segments, r,
+                                            problem.cp_rank // u, sinks)
+            return exchange, heads, plan, kernel
+        except ValueError as e:
+            error = e
+    raise error
+
+
+def strategy_candidates(requested: str, q, k, v, args: CallArgs, problem: _Problem) -> tuple[str, ...]:
+    """The strategies to try, best first. An explicit request is the only candidate. "auto" on a
+    2-D mesh is "hybrid"; on a 1-D group on CUDA the cost model's ranking of the strategies the
+    call allows (dtcp.explain shows it); elsewhere the exchange policy of dtcp/plan/exchange.py
+    (the ring on CPU, where strategies were not measured)."""
+    if requested == "hybrid" or (requested == "auto" and problem.head_group_size):
+        return ("hybrid",)
+    if requested != "auto":
+        return (requested,)
+    if q.device.type != "cuda" or problem.world_size == 1:
+        gathered_kv_bytes = 2 * k.numel() * k.element_size() * problem.world_size
+        return exchange_candidates("auto", problem.layout, q.shape[2], problem.world_size, q.device.type,
+                                   gathered_kv_bytes, config.allgather_max_bytes)
+    return tuple(p.strategy for p in predictions(q, k, v, args, problem))
+
+
+@dataclass(frozen=True)
+class _Size:
+    size: int
+    rank: int
+
+
+def explain(q, k, v, args: CallArgs, cu_values, world_size: int, rank: int, head_group_size: int = 0,
+            head_rank: int = 0, backward: bool = True) -> tuple[str, list[Prediction]]:
+    """(what strategy="auto" picks, the cost model's predictions fastest first) for this call on
+    CUDA; no communication (see dtcp.explain)."""
+    head = _Size(head_group_size, head_rank) if head_group_size else None
+    ring = _Size(world_size // head_group_size if head_group_size else world_size,
+                 rank // head_group_size if head_group_size else rank)
+    problem = _problem(q, args, cu_values, ring, head)
+    if problem.head_group_size:
+        return "hybrid", []
+    preds = predictions(q, k, v, args, problem, backward=backward)
+    return preds[0].strategy, preds
+
+
+def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True) -> list[Prediction]:
+    """The cost model's predictions for the strategies this call allows, fastest first."""
+    n, local_len = problem.world_size, q.shape[2]
+    allowed = ["ring"]
+    if allgather_reason(problem.layout, local_len, n) is None:
+        allowed.append("allgather")
+    try:
+        head_splits(q.shape[1], k.shape[1], n, "ulysses")
+        allowed.append("ulysses")
+    except ValueError:
+        pass
+    masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in dict.fromkeys(problem.row_segments)}
+    rows = list(problem.row_segments)
+
+    batch = len(rows)
+
+    def per_row(build) -> tuple[float, int, int, float]:
+        """(slowest rank's pairs per row, all ranks' pairs per row, kernel calls per row, mean
+        query block) of one schedule, averaged over the batch rows."""
+        per_rank, calls, q_lens, tasks = [0] * n, 0, 0, 0
+        for seg in rows:
+            plans = build(problem.layout, local_len, n, args.is_causal, masks[seg])
+            for rr, plan in enumerate(plans):
+                per_rank[rr] += plan_pairs(plan.tasks)
+            calls += len(plans[0].tasks)
+            q_lens += sum(t.q_len for t in plans[0].tasks)
+            tasks += len(plans[0].tasks)
+        return max(per_rank) / batch, sum(per_rank) / batch, calls, q_lens / max(1, tasks)
+
+    ring_pairs, total_pairs, ring_calls, ring_q_block = per_row(ring_plans)
+    rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
+    ag_pairs, ag_calls = ring_pairs, batch
+    if "allgather" in allowed:
+        ag_pairs, _, ag_calls, _ = per_row(allgather_plans)
+    shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
+                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
+                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_calls=ring_calls,
+                      ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs, allgather_calls=ag_calls,
+                      total_pairs=total_pairs)
+    machine = machine_for(q.device.type, config.cost_machine)
+    return rank_strategies(allowed, shape, machine)
 
 
 def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool):
@@ -226,12 +411,16 @@ def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n:
 # ---- running -------------------------------------------------------------------------------------
 def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = False,
                 sinks: Optional[torch.Tensor] = None):
-    """(out, lse, gathered_kv): with `keep_gathered_kv`, the all-gather schedule's gathered K/V for
-    the backward to reuse (None for the ring). With `sinks` (Hq,), lse includes them."""
+    """(out, lse, kept): `kept` is, with `keep_gathered_kv`, what the backward can reuse instead of
+    communicating again (the all-gather schedule's gathered K/V; for a head exchange, the
+    exchanged tensors: `HeadResiduals`), else None. With `sinks` (Hq,), lse includes them."""
     with on_device_of(q), _failures(route, "forward"):
-        comm = route.ring_comm(q, k, backward=False) if _has_ring(route.plan) else None
         sink = None if sinks is None else sinks.detach().to(acc_dtype(q.dtype))
-        result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm, sink)
+        if route.heads is not None:
+            result = _heads_forward(route, q, k, v, scale, keep_gathered_kv, sink)
+        else:
+            comm = route.ring_comm(q, k, backward=False) if _has_ring(route.plan) else None
+            result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm, sink)
         _end_of_call(route, q)
         return result
 
@@ -239,14 +428,75 @@ def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = Fa
 def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, gathered_kv=None,
                  sinks: Optional[torch.Tensor] = None):
     """(dq, dk, dv, dsinks) given the forward's final out and lse; `gathered_kv`: what run_forward
-    kept, or None to gather again. dsinks (this rank's rows' share, like every parameter's
-    gradient under context parallelism) is None without sinks."""
-    with on_device_of(q), _failures(route, "backward"):
-        comm = route.ring_comm(q, k, backward=True) if _has_ring(route.plan) else None
-        dq, dk, dv = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        _end_of_call(route, q)
+    kept, or None to communicate again (then q, k, v, out and lse must be given). dsinks (this
+    rank's share, like every parameter's gradient under context parallelism) is None without sinks."""
+    with on_device_of(dout), _failures(route, "backward"):
+        if route.heads is not None:
+            dq, dk, dv, dsinks = _heads_backward(route, dout, q, k, v, out, lse, scale, gathered_kv, sinks)
+        else:
+            comm = route.ring_comm(q, k, backward=True) if _has_ring(route.plan) else None
+            dq, dk, dv = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
+            dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        _end_of_call(route, dout)
         return dq, dk, dv, dsinks
+
+
+@dataclass
+class HeadResiduals:
+    """What a head-exchange forward keeps for its backward: this rank's heads over the group's
+    tokens (q_h (B, h, U*L, D), k_h/v_h (B, hkv, U*L, D/Dv), out_h, lse_h (B, h, U*L)) and the
+    inner schedule's own kept tensors. The same memory as the sequence shards they replace."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    inner: object
+
+
+def _sink_heads(route: Route, sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if sink is None:
+        return None
+    first = route.heads.q.first_head(route.heads.rank)
+    return sink[first:first + route.heads.q.per_rank]
+
+
+def _heads_forward(route: Route, q, k, v, scale, keep: bool, sink):
+    heads, pg = route.heads, route.head_comm_group()
+    q_h, k_h, v_h = to_heads([(q, heads.q), (k, heads.kv), (v, heads.kv)], heads, pg)
+    comm = route.ring_comm(q_h, k_h, backward=False) if _has_ring(route.plan) else None
+    # (Ulysses: the inner "gather" over one rank is a local copy, not worth keeping twice)
+    keep_inner = keep and route.seq_state is not None
+    out_h, lse_h, inner_kept = _forward(route, route.plan, q_h, k_h, v_h, scale, keep_inner, comm,
+                                        _sink_heads(route, sink))
+    out, lse = to_sequence([(out_h, heads.q, out_h.dtype), (lse_h.unsqueeze(-1), heads.q, lse_h.dtype)], heads, pg)
+    kept = HeadResiduals(q_h, k_h, v_h, out_h, lse_h, inner_kept) if keep else None
+    return out, lse.squeeze(-1), kept
+
+
+def _heads_backward(route: Route, dout, q, k, v, out, lse, scale, kept: Optional[HeadResiduals], sinks):
+    heads, pg = route.heads, route.head_comm_group()
+    if kept is None:  # the custom op's backward: exchange the forward's tensors again, with dout
+        q_h, k_h, v_h, out_h, lse_h, dout_h = to_heads(
+            [(q, heads.q), (k, heads.kv), (v, heads.kv), (out, heads.q), (lse.unsqueeze(-1), heads.q),
+             (dout, heads.q)], heads, pg)
+        lse_h, inner_kept = lse_h.squeeze(-1), None
+    else:
+        (dout_h,) = to_heads([(dout, heads.q)], heads, pg)
+        q_h, k_h, v_h, out_h, lse_h, inner_kept = kept.q, kept.k, kept.v, kept.out, kept.lse, kept.inner
+    comm = route.ring_comm(q_h, k_h, backward=True) if _has_ring(route.plan) else None
+    dq_h, dk_h, dv_h = _backward(route, route.plan, dout_h, q_h, k_h, v_h, out_h, lse_h, scale, inner_kept, comm)
+    # Replicated K/V heads (Hkv < U) come back from several ranks and are summed: in float32 for
+    # half inputs, as dK/dV are everywhere else.
+    dq, dk, dv = to_sequence([(dq_h, heads.q, q_h.dtype), (dk_h, heads.kv, k_h.dtype), (dv_h, heads.kv, v_h.dtype)],
+                             heads, pg, sum_dtype=acc_dtype(k_h.dtype))
+    dsinks = None
+    if sinks is not None:  # this rank's heads over the group's tokens: its share of those heads' gradient
+        first, h = heads.q.first_head(heads.rank), heads.q.per_rank
+        dsinks = torch.zeros_like(sinks)
+        dsinks[first:first + h] = sink_grad(dout_h, out_h, lse_h, sinks[first:first + h])
+    return dq, dk, dv, dsinks
 
 
 def sink_grad(dout, out, lse, sinks: torch.Tensor) -> torch.Tensor:
@@ -263,8 +513,10 @@ def _end_of_call(route: Route, q: torch.Tensor) -> None:
     # On CUDA the waits for peers are on the GPU: this check stops the stream if the group failed
     # while it was blocked (dtcp/comm/watchdog.py) instead of letting a result computed from
     # released buffers through. One tiny kernel per call; no check where nothing was exchanged.
-    if q.device.type == "cuda" and route.world_size > 1:
-        route.state.assert_healthy(q.device)
+    if q.device.type == "cuda":
+        for state in route.states:
+            if state.size > 1:
+                state.assert_healthy(q.device)
 
 
 def _has_ring(plan) -> bool:
@@ -328,15 +580,16 @@ _LOCAL = _LocalOnly()
 @contextlib.contextmanager
 def _failures(route: Route, what: str):
     """Turn any failure inside a call into an error on every rank (see the module docstring)."""
-    guard = route.state.guard
+    guards = [s.guard for s in route.states]
     try:
         yield
     except DtcpError:
         raise
     except Exception as e:
         own = f"rank {route.rank}: {what} failed: {type(e).__name__}: {e}"
-        peer = guard.peer_failure()
-        guard.fail(own if peer is None else f"{peer} (and on rank {route.rank}: {type(e).__name__})")
+        peer = next((p for p in (g.peer_failure() for g in guards) if p is not None), None)
+        for guard in guards:
+            guard.fail(own if peer is None else f"{peer} (and on rank {route.rank}: {type(e).__name__})")
         if peer is not None:
             raise PeerFailedError(f"dtcp {what} on rank {route.rank}: another rank failed first: {peer}") from e
         if _is_timeout(e):

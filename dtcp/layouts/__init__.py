@@ -13,10 +13,11 @@ from __future__ import annotations
 from .base import Layout, check_window
 from .contiguous import Contiguous, SlidingWindow
 from .doczigzag import DocZigzag
+from .grouped import Grouped
 from .striped import Striped
 from .zigzag import Zigzag
 
-__all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "layout_from_spec",
+__all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "Grouped", "layout_from_spec",
            "check_window", "DEFAULT_LAYOUT"]
 
 #: the layout of every function that takes one, unless told otherwise (balanced causal work)
@@ -40,6 +41,9 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
             return Striped(int(arg) if arg else 1)
         if name == "doczigzag" and arg:
             return DocZigzag(tuple(int(n) for n in arg.split(",") if n))
+        if name == "grouped":
+            inner, _, base = arg.partition(":")
+            return Grouped(layout_from_spec(base), int(inner))
         if name == "window":
             left, _, right = arg.partition(":")
             return SlidingWindow(int(left), int(right) if right else 0)

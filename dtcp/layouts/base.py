@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .._groups import GroupLike, group_rank, group_size, resolve_group
+from .._groups import GroupLike, cp_size_and_rank
 from . import sharding
 
 # A causal fast-path block: queries [q0, q1) of this rank against keys [k0, k1) of the source
@@ -72,9 +72,10 @@ class Layout:
 
     # ---- tensors of a process group ----------------------------------------------------
     def positions(self, seq_len: int, group: GroupLike = None) -> torch.Tensor:
-        """Global positions of this rank's tokens, in local order (feed these to RoPE)."""
-        pg = resolve_group(group)
-        return self.global_positions(seq_len, group_size(pg), group_rank(pg))
+        """Global positions of this rank's tokens, in local order (feed these to RoPE). `group`: 1-D,
+        or a 2-D CP mesh / (ring, ulysses) pair."""
+        n, r = cp_size_and_rank(group)
+        return self.global_positions(seq_len, n, r)
 
     def shard(self, x: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
         """This rank's piece of the full tensor `x` along `dim` (a view where the rank holds one run)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._groups import GroupLike, group_rank, group_size, resolve_group
+from .._groups import GroupLike, cp_size_and_rank, group_rank, group_size, resolve_cp_groups, resolve_group
 
 # Index tensors already on a device, keyed by value (layout, length, ranks, device): a copy from
 # pageable host memory to a GPU waits for the GPU's queued work, and `shard` runs every step.
@@ -28,9 +28,8 @@ def positions_on(layout, seq_len: int, world_size: int, rank: int, device: torch
 
 
 def shard(layout, x: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
-    """This rank's piece of the full tensor `x` along `dim`."""
-    pg = resolve_group(group)
-    n, r = group_size(pg), group_rank(pg)
+    """This rank's piece of the full tensor `x` along `dim` (`group` 1-D, or a 2-D CP mesh)."""
+    n, r = cp_size_and_rank(group)
     dim = dim % x.dim()
     layout.check(x.shape[dim], n)
     runs = layout.runs(x.shape[dim], n, r)
@@ -41,6 +40,9 @@ def shard(layout, x: torch.Tensor, group: GroupLike = None, dim: int = 2) -> tor
 
 def unshard(layout, x_local: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
     """The full tensor in original token order (all-gather; gradients flow back to the shards)."""
+    if resolve_cp_groups(group)[1] is not None:
+        raise ValueError("unshard: group is a 2-D CP mesh; unshard over the flattened CP group (all N ranks, ring "
+                         "rank major), e.g. dist.new_group of its ranks")
     pg = resolve_group(group)
     n = group_size(pg)
     dim = dim % x_local.dim()

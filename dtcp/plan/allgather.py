@@ -101,7 +101,7 @@ def allgather_plans(layout: Layout, local_len: int, world_size: int, is_causal: 
     """Every rank's all-gather plan. `mask` (window and documents) replaces `is_causal` when given."""
     why = allgather_reason(layout, local_len, world_size)
     if why is not None:
-        raise ValueError(f"kv_exchange='allgather': {why}. Use kv_exchange='ring'")
+        raise ValueError(f"strategy='allgather': {why}. Use strategy='ring' (or 'auto')")
     n, seq_len = world_size, local_len * world_size
     if mask is None:
         mask = AttnMask.make(is_causal)

@@ -20,7 +20,7 @@ a ``[dtcp]`` section::
     layout = "zigzag"               # contiguous | zigzag | striped | striped:<block>
     backend = "auto"                # auto | cudnn | flash | fa2 | flex | cpu_flash | math
     window_size = -1                # causal sliding window: keys up to this many tokens back; -1: none
-    kv_exchange = "auto"            # auto | ring | allgather
+    strategy = "auto"               # auto | ring | allgather | ulysses
 
 What "llama3_dtcp" changes against torchtitan's "llama3" (everything else is the stock train
 spec: model, FSDP/TP/PP/AC/compile, data, loss, optimizer, checkpoints):
@@ -52,6 +52,7 @@ dtcp on a one-rank group (the same op and mask as under CP).
 # annotations of the [dtcp] dataclasses, and string annotations would not resolve.
 import copy
 import dataclasses
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -77,7 +78,7 @@ import dtcp  # noqa: E402
 from ..._groups import group_size  # noqa: E402
 from ...kernels import KERNELS  # noqa: E402
 from ...layouts import Layout, layout_from_spec  # noqa: E402
-from ...plan import KV_EXCHANGES  # noqa: E402
+from ...plan import KV_EXCHANGES, STRATEGIES  # noqa: E402
 
 __all__ = [
     "Dtcp",
@@ -106,11 +107,15 @@ class Dtcp:
     """Sliding window: each token attends to itself and at most this many tokens before it.
     -1 means no window (plain causal attention)."""
 
-    kv_exchange: str = "auto"
-    """How K/V reach the other cp ranks: "ring" (overlapped ring, for long sequences),
-    "allgather" (one all-gather per attention call, for short ones, where a ring call is bound
-    by host time; contiguous and zigzag layouts) or "auto" (allgather on GPUs when the whole
-    sequence's K/V is at most 16 MiB, else ring)."""
+    strategy: str = "auto"
+    """How the work is spread over the cp ranks (dtcp.ring_attention's `strategy`): "ring"
+    (overlapped ring, for long sequences), "allgather" (one all-gather per attention call;
+    contiguous and zigzag layouts), "ulysses" (all-to-all over heads: n_heads must be a multiple
+    of the cp degree) or "auto" (dtcp's cost model on GPUs, the ring on CPU). "hybrid" needs a 2-D
+    cp mesh, which torchtitan's cp dim is not."""
+
+    kv_exchange: str = ""
+    """Deprecated alias of `strategy` ("auto", "ring", "allgather"); "" = unset."""
 
 
 @dataclass
@@ -127,7 +132,7 @@ class DtcpOptions:
     layout: Layout
     backend: str
     window_size: Optional[tuple[int, int]]  # (left, right) for dtcp.ring_attention, None: no window
-    kv_exchange: str = "auto"
+    strategy: str = "auto"
 
 
 def dtcp_options(job_config) -> DtcpOptions:
@@ -143,11 +148,24 @@ def dtcp_options(job_config) -> DtcpOptions:
     window = section.window_size
     if not isinstance(window, int) or isinstance(window, bool) or window < -1:
         raise ValueError(f"[dtcp] window_size = {window!r}: use -1 (no window) or a number of tokens >= 0")
-    kv_exchange = getattr(section, "kv_exchange", "auto")
-    if kv_exchange not in KV_EXCHANGES:
-        raise ValueError(f"[dtcp] kv_exchange = {kv_exchange!r}: use one of {list(KV_EXCHANGES)}")
+    strategy = getattr(section, "strategy", "auto")
+    one_dim = [s for s in STRATEGIES if s != "hybrid"]
+    if strategy not in one_dim:
+        raise ValueError(f"[dtcp] strategy = {strategy!r}: use one of {one_dim} (torchtitan's cp mesh dim is 1-D, "
+                         "so 'hybrid' is not available here)")
+    kv_exchange = getattr(section, "kv_exchange", "") or ""
+    if kv_exchange:
+        warnings.warn("[dtcp] kv_exchange is deprecated: use [dtcp] strategy (the same values)", DeprecationWarning,
+                      stacklevel=2)
+        if kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"[dtcp] kv_exchange = {kv_exchange!r}: use one of {list(KV_EXCHANGES)} (or, better, "
+                             "[dtcp] strategy)")
+        if strategy not in ("auto", kv_exchange):
+            raise ValueError(f"[dtcp] strategy = {strategy!r} and kv_exchange = {kv_exchange!r} disagree: set "
+                             "strategy only")
+        strategy = kv_exchange
     return DtcpOptions(layout=layout, backend=section.backend, window_size=(window, 0) if window >= 0 else None,
-                       kv_exchange=kv_exchange)
+                       strategy=strategy)
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -162,7 +180,7 @@ class DtcpRingAttention(nn.Module):
         self.layout = options.layout
         self.backend = options.backend
         self.window_size = options.window_size
-        self.kv_exchange = options.kv_exchange
+        self.strategy = options.strategy
         self.document_masking = document_masking
         self.cp_size = group_size(group)
 
@@ -178,7 +196,7 @@ class DtcpRingAttention(nn.Module):
         is_causal: bool = True,
     ) -> torch.Tensor:
         kwargs = dict(layout=self.layout, is_causal=is_causal, scale=scale, backend=self.backend,
-                      kv_exchange=self.kv_exchange)
+                      strategy=self.strategy)
         if self.window_size is not None:
             kwargs["window_size"] = self.window_size
         if not self.document_masking:
@@ -203,7 +221,7 @@ class DtcpRingAttention(nn.Module):
         mask = "document" if self.document_masking else "causal"
         return (
             f"layout={self.layout.spec()}, backend={self.backend}, window_size={self.window_size}, "
-            f"kv_exchange={self.kv_exchange}, mask={mask}, cp={self.cp_size}"
+            f"strategy={self.strategy}, mask={mask}, cp={self.cp_size}"
         )
 
 
@@ -297,7 +315,7 @@ def _dtcp_parallelize(base_parallelize):
         _own_cp_mesh(cp_mesh, options.layout)
         logger.info(
             f"dtcp: context parallelism over cp={cp_mesh.size()} with layout {options.layout.spec()}, "
-            f"backend {options.backend}, window {options.window_size}, kv_exchange {options.kv_exchange}"
+            f"backend {options.backend}, window {options.window_size}, strategy {options.strategy}"
         )
         with _patches.replaced_global(base_parallelize, "apply_cp_to_attention_module", _skip_torchtitan_cp):
             return base_parallelize(model, parallel_dims, job_config, *args, **kwargs)

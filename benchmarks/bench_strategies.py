@@ -1,0 +1,149 @@
+"""Every strategy on a grid, measured, beside the cost model's prediction and auto's pick.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_strategies.py [--quick] [--json out.json]
+
+Per point (sequence length S, heads q/kv, mask): forward + backward time of "ring", "allgather"
+(where the layout allows) and "ulysses" (where the heads allow), median of --iters after a
+warm-up; the model's predicted time of each (constants from dtcp.calibrate() at the start, also
+printed); auto's pick (= the model's fastest). Summary: the share of points where auto's pick is
+within 5% of the best measured strategy, the worst ratio pick / best, and the prediction error
+(median and worst, |predicted - measured| / measured). bf16, B=1, D=128, backend="auto".
+
+Masks: "causal" (zigzag layout), "window" (causal window (4096, 0), contiguous layout: the ring runs
+only the rounds it needs), "docs" (causal documents with long-tailed lengths, fixed seed, zigzag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dtcp  # noqa: E402
+from _setup import init_distributed  # noqa: E402
+
+STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def doc_lengths(total: int, seed: int = 0) -> list[int]:
+    """Long-tailed document lengths (Pareto-like, 128 tokens and up) summing to `total`."""
+    rng = random.Random(seed)
+    lens, left = [], total
+    while left > 0:
+        n = min(left, max(128, int(128 * rng.paretovariate(1.1))))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def measure(fn, iters: int) -> float:
+    fn()  # warm-up (builds the route, grows buffers)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
+    return t.item()
+
+
+def point(s, hq, hkv, mask, device, iters, n, rank):
+    layout = dtcp.Contiguous() if mask == "window" else dtcp.Zigzag()
+    kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
+    if mask == "window":
+        kwargs["window_size"] = (4096, 0)
+    if mask == "docs":
+        lens = doc_lengths(s)
+        cu = [0]
+        for x in lens:
+            cu.append(cu[-1] + x)
+        kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)  # CPU boundaries: no device sync
+    local = s // n
+    g = torch.Generator(device=device).manual_seed(s + hq)
+    q = torch.randn(1, hq, local, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(1, hkv, local, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(1, hkv, local, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    dout = torch.randn(1, hq, local, 128, device=device, dtype=torch.bfloat16, generator=g)
+    explained = dtcp.explain(q, k, v, layout=layout, is_causal=True, window_size=kwargs.get("window_size"),
+                             cu_seqlens=kwargs.get("cu_seqlens"))
+    lines = explained.splitlines()
+    pick = lines[0].split()[2]
+    predicted = {ln.split()[0]: float(ln.split()[2]) / 1e3 for ln in lines[1:]}
+    measured = {}
+    for strategy in STRATEGIES:
+        if strategy not in predicted:
+            continue
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = dtcp.ring_attention(q, k, v, strategy=strategy, **kwargs)
+            out.backward(dout)
+
+        try:
+            measured[strategy] = measure(step, iters)
+        except Exception as e:  # noqa: BLE001 - a strategy the kernels cannot serve: say so, go on
+            if rank == 0:
+                print(f"  {strategy} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    return {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="a small grid (smoke test)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-calibrate", action="store_true", help="use the shipped constants")
+    args = p.parse_args()
+    device = init_distributed("cuda")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if not args.no_calibrate:
+        machine = dtcp.calibrate()
+        if rank == 0:
+            print(f"calibrated: {machine}", flush=True)
+    lengths = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    heads = [(32, 8)] if args.quick else [(32, 32), (32, 8), (8, 8), (64, 8)]
+    grid = [(s, h, m) for s in lengths for h in heads for m in ("causal", "window", "docs")]
+    if not args.quick:
+        grid += [(524288, h, "window") for h in heads]
+    rows = []
+    for s, (hq, hkv), mask in grid:
+        row = point(s, hq, hkv, mask, device, args.iters, n, rank)
+        rows.append(row)
+        if rank == 0:
+            best = min(row["measured"], key=row["measured"].get)
+            cells = "  ".join(f"{k} {row['measured'][k] * 1e3:8.2f} ms (model {row['predicted'][k] * 1e3:8.2f})"
+                              for k in STRATEGIES if k in row["measured"])
+            ratio = row["measured"].get(row["pick"], float("inf")) / row["measured"][best]
+            print(f"S={s:>6} heads {hq:>2}/{hkv:<2} {mask:<6} | {cells} | best {best:<9} auto {row['pick']:<9} "
+                  f"x{ratio:.3f}", flush=True)
+    if rank == 0:
+        ratios, errors = [], []
+        for row in rows:
+            best = min(row["measured"].values())
+            ratios.append(row["measured"].get(row["pick"], float("inf")) / best)
+            errors += [abs(row["predicted"][k] - t) / t for k, t in row["measured"].items()]
+        within = sum(r <= 1.05 for r in ratios) / len(ratios)
+        print(f"\nauto within 5% of the best at {within:.0%} of {len(ratios)} points; worst pick/best "
+              f"{max(ratios):.3f}; prediction error median {statistics.median(errors):.0%}, worst {max(errors):.0%}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

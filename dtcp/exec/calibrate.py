@@ -1,0 +1,114 @@
+"""`dtcp.calibrate()`: the cost model's constants (dtcp/plan/cost.py `Machine`), measured on the
+machine it runs on, in a few seconds: a ring transfer, an all-to-all, a tiny all-to-all (latency),
+a device copy, and the attention kernel that `backend="auto"` picks at two block lengths. Every
+rank measures; the constants are the slowest rank's (an all-reduce of the times), so that every
+rank's model, and so every rank's choice of strategy, is the same.
+
+On CPU (gloo) the figures are measured the same way; strategy="auto" still takes the ring there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import select_kernel
+from ..plan import MACHINES, Machine, Task
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _slowest(values: list[float], pg, device: torch.device) -> list[float]:
+    """Element-wise max over the group's ranks (every rank gets the same numbers)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return t.tolist()
+
+
+def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, heads: int = 32, head_dim: int = 128,
+              seq_len: int = 8192, transfer_bytes: int = 64 * 2**20, repeats: int = 5,
+              name: Optional[str] = None) -> Machine:
+    """Measure a `Machine` over process group `pg` on `device` (see the module docstring)."""
+    n, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    # ring transfer: send to the next rank, receive from the previous one
+    send = torch.empty(transfer_bytes, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    nxt, prv = dist.get_global_rank(pg, (rank + 1) % n), dist.get_global_rank(pg, (rank - 1) % n)
+
+    def ring_step():
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, pg), dist.P2POp(dist.irecv, recv, prv, pg)])
+        for w in works:
+            w.wait()
+
+    t_p2p = _timed(ring_step, device, repeats) if n > 1 else 1.0
+    a2a_in = torch.empty(transfer_bytes // n * n, dtype=torch.uint8, device=device)
+    a2a_out = torch.empty_like(a2a_in)
+    t_a2a = _timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=pg), device, repeats) if n > 1 else 1.0
+    small_in = torch.empty(4096 * n, dtype=torch.uint8, device=device)
+    small_out = torch.empty_like(small_in)
+    t_small = _timed(lambda: dist.all_to_all_single(small_out, small_in, group=pg), device, repeats) if n > 1 else 0.0
+    big = torch.empty(transfer_bytes * 4, dtype=torch.uint8, device=device)
+    big_copy = torch.empty_like(big)
+    t_copy = _timed(lambda: big_copy.copy_(big), device, repeats)
+
+    def kernel_time(q_len: int) -> float:
+        """fwd + bwd of one causal block of q_len queries and seq_len keys (bottom-right aligned)."""
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, heads, q_len, head_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn_like(k)
+        task = Task(0, q_len, 0, seq_len, None, seq_len - q_len)
+        kernel = select_kernel("auto", q, k, [task])
+        scale = head_dim ** -0.5
+
+        def step():
+            out, lse = kernel.forward(q, k, v, task.lo, task.hi, scale)
+            kernel.backward(torch.ones_like(out), q, k, v, out, lse, task.lo, task.hi, scale)
+
+        return _timed(step, device, repeats)
+
+    long_q, short_q = seq_len, 512
+    t_long, t_short = kernel_time(long_q), kernel_time(short_q)
+    q_tiny = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
+    tiny_task = Task(0, 64, 0, 64, None, 0)
+    tiny_kernel = select_kernel("auto", q_tiny, q_tiny, [tiny_task])
+    tiny = _timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
+    t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = _slowest(
+        [t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny], pg, device)
+
+    def flops(q_len: int) -> float:  # causal block: q_len rows, each seeing seq_len - q_len + i + 1 keys
+        pairs = q_len * (seq_len - q_len) + q_len * (q_len + 1) / 2
+        return 2.0 * heads * pairs * 2 * head_dim * 3.5
+
+    rate_long, rate_short = flops(long_q) / t_long, flops(short_q) / t_short
+    # rate(q) = peak * q / (q + half): two block lengths give both constants
+    ratio = rate_long / rate_short
+    half = max(1.0, (ratio - 1) * short_q * long_q / max(1.0, long_q - ratio * short_q)) if ratio > 1 else 1.0
+    peak = rate_long * (long_q + half) / long_q
+    base = MACHINES["h200-nvlink"]
+    return Machine(
+        name=name or f"calibrated {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{n}",
+        p2p_bytes_per_s=transfer_bytes / t_p2p if n > 1 else base.p2p_bytes_per_s,
+        collective_bytes_per_s=(a2a_in.numel() * (n - 1) / n) / t_a2a if n > 1 else base.collective_bytes_per_s,
+        latency_s=t_small,
+        kernel_flops_per_s=peak,
+        kernel_half_block=int(half),
+        call_overhead_s=tiny,
+        memory_bytes_per_s=2 * big.numel() / t_copy,
+    )

@@ -1,0 +1,222 @@
+"""The cost model behind `strategy="auto"`: predicted time of one attention call (forward, or
+forward + backward) per strategy, from communication bytes and steps, link bandwidth and latency,
+kernel time at measured rates, and what overlaps with what. Pure Python over numbers.
+
+Per rank, with B batch rows, Hq/Hkv heads, head dims D (q, k) and Dv (v), L local tokens of N
+ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves visible:
+
+* kernel time = 2 * B * heads * pairs * (D + Dv) flops (x 3.5 with the backward) at
+  `kernel_flops_per_s`, slowed for short query blocks (rate * q / (q + `kernel_half_block`)), plus
+  `call_overhead_s` per kernel call;
+* **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * L * (D + Dv) * e bytes; in
+  the backward K/V plus float32 dK/dV) with one block's kernels; the slowest rank's pairs set the
+  step (contiguous causal is unbalanced, zigzag is not);
+* **allgather**: one all-gather of K/V, exposed, then the rank's kernels; in the backward a
+  float32 reduce-scatter of dK/dV (the forward's gathered K/V is kept);
+* **ulysses**: all-to-alls of q, k, v (K/V heads replicated up to U when Hkv < U) and of out +
+  lse back, exposed; the kernels see the whole sequence for Hq / N heads, perfectly balanced; in
+  the backward dout goes out and dq, dk, dv come back (the forward's exchanged tensors are kept);
+* **hybrid** (U x R mesh): Ulysses over U, then the ring over R groups of U * L tokens.
+
+Copies that reorder tokens or heads are charged at `memory_bytes_per_s`. The constants of a
+machine are a `Machine`: `MACHINES` has measured defaults; `dtcp.calibrate()` measures the one it
+runs on. The model ranks strategies; it is checked against measurements by
+benchmarks/bench_strategies.py (docs/strategies.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from .mask import Task
+
+SEQUENCE_STRATEGIES = ("ring", "allgather")  # K/V move; every rank keeps its tokens and all heads
+HEAD_STRATEGIES = ("ulysses", "hybrid")  # heads are exchanged for tokens first
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Constants of the cost model for one kind of machine (per GPU)."""
+
+    name: str
+    p2p_bytes_per_s: float  # one ring transfer, per direction
+    collective_bytes_per_s: float  # all-gather / reduce-scatter / all-to-all, bytes each rank sends per second
+    latency_s: float  # per transfer or collective
+    kernel_flops_per_s: float  # attention kernel on long blocks (fwd+bwd average)
+    kernel_half_block: int  # query block length that runs at half that rate
+    call_overhead_s: float  # host time per kernel call
+    memory_bytes_per_s: float  # device memory, for reordering copies (read + write counted)
+
+
+MACHINES: dict[str, Machine] = {
+    # One H200 on NVLink, torch 2.11: ring transfers ~295 GB/s per direction, cuDNN/FA4 ~540-600
+    # TFLOPs fwd+bwd at long blocks (../shared/FACTS.md figures, re-measured by bench_strategies.py).
+    "h200-nvlink": Machine("h200-nvlink", p2p_bytes_per_s=295e9, collective_bytes_per_s=280e9, latency_s=25e-6,
+                           kernel_flops_per_s=540e12, kernel_half_block=384, call_overhead_s=25e-6,
+                           memory_bytes_per_s=3.5e12),
+    # Across nodes, per GPU: 400 Gb/s InfiniBand (50 GB/s), a few microseconds more per message.
+    "h200-infiniband": Machine("h200-infiniband", p2p_bytes_per_s=45e9, collective_bytes_per_s=40e9, latency_s=40e-6,
+                               kernel_flops_per_s=540e12, kernel_half_block=384, call_overhead_s=25e-6,
+                               memory_bytes_per_s=3.5e12),
+}
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What the model needs of one call (per rank; the same on every rank)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    elem_bytes: int
+    world_size: int  # N, all CP ranks
+    local_len: int  # L, tokens per rank
+    backward: bool = True
+    # per strategy, filled by whoever knows the plans: the slowest rank's visible pairs, the
+    # number of kernel calls, their typical query length and the ring's rounds
+    ring_pairs: float = 0
+    ring_rounds: int = 0
+    ring_calls: int = 1
+    ring_q_block: int = 0
+    allgather_pairs: float = 0
+    allgather_calls: int = 1
+    total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
+    ulysses_degree: int = 0  # U of a hybrid mesh (0: 1-D group)
+    hybrid_pairs: int = 0  # the slowest head group's visible pairs over its U * L tokens
+    hybrid_rounds: int = 0
+    hybrid_calls: int = 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    total_s: float
+    kernel_s: float
+    comm_s: float  # all communication time
+    exposed_comm_s: float  # the part no kernel hides
+    note: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+def task_pairs(task: Task) -> int:
+    """Visible (query, key) pairs of one task: 0 <= i < q_len, 0 <= j < k_len, lo <= j - i <= hi.
+    Exact, O(1): pairs with j - i <= hi, minus those with j - i <= lo - 1."""
+    q, k = task.q_len, task.k_len
+    hi = k - 1 if task.hi is None else task.hi
+    lo = -(q - 1) if task.lo is None else task.lo
+    return max(0, _pairs_up_to(q, k, hi) - _pairs_up_to(q, k, lo - 1))
+
+
+def _pairs_up_to(q: int, k: int, t: int) -> int:
+    # sum over rows i < q of #{j < k : j <= i + t} = sum of clamp(x, 0, k) for x = t+1 .. t+q
+    return _clamp_sum(t + 1 + q, k) - _clamp_sum(t + 1, k)
+
+
+def _clamp_sum(m: int, k: int) -> int:
+    """sum of clamp(x, 0, k) over all integers x < m."""
+    if m <= 0:
+        return 0
+    if m <= k:
+        return m * (m - 1) // 2
+    return k * (k - 1) // 2 + (m - k) * k
+
+
+def plan_pairs(tasks) -> int:
+    """Visible pairs of a list of tasks."""
+    return sum(task_pairs(t) for t in tasks)
+
+
+def _kernel_s(machine: Machine, flops: float, q_block: int, calls: int) -> float:
+    rate = machine.kernel_flops_per_s * q_block / (q_block + machine.kernel_half_block) if q_block > 0 else 1.0
+    return flops / rate + calls * machine.call_overhead_s
+
+
+def _flops(shape: CallShape, heads: float, pairs: float) -> float:
+    mult = 3.5 if shape.backward else 1.0
+    return 2.0 * shape.batch * heads * pairs * (shape.head_dim + shape.v_head_dim) * mult
+
+
+def _ring(machine: Machine, shape: CallShape, kv_heads: int, local_len: int, heads: float, pairs: int, rounds: int,
+          calls: int, q_block: int) -> tuple[float, float, float]:
+    """(total, kernel, comm, exposed) of a ring over `rounds` steps."""
+    kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block, calls)
+    kv = shape.batch * kv_heads * local_len * (shape.head_dim + shape.v_head_dim)
+    per_step = kernel / (rounds + 1)
+    t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
+    if not shape.backward:
+        total = per_step + rounds * max(per_step, t_fwd)
+        return total, kernel, rounds * t_fwd, total - kernel
+    fwd_share = 1.0 / 3.5
+    c_f, c_b = per_step * fwd_share, per_step * (1 - fwd_share)
+    t_bwd = machine.latency_s + kv * (shape.elem_bytes + 4) / machine.p2p_bytes_per_s  # K/V + fp32 dK/dV
+    total = c_f + rounds * max(c_f, t_fwd) + c_b + rounds * max(c_b, t_bwd) + (t_bwd if rounds else 0.0)
+    comm = rounds * (t_fwd + t_bwd) + (t_bwd if rounds else 0.0)
+    return total, kernel, comm, total - kernel
+
+
+def predict(strategy: str, shape: CallShape, machine: Machine) -> Prediction:
+    """Predicted time of one call of `shape` under `strategy` on `machine`."""
+    n, b, e = shape.world_size, shape.batch, shape.elem_bytes
+    d, dv = shape.head_dim, shape.v_head_dim
+    if strategy == "ring":
+        total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, shape.local_len, shape.q_heads,
+                                             shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
+                                             shape.ring_q_block or shape.local_len)
+        return Prediction("ring", total, kernel, comm, exposed)
+    if strategy == "allgather":
+        kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs), shape.local_len,
+                           shape.allgather_calls)
+        kv = b * shape.kv_heads * shape.local_len * (d + dv)
+        comm = machine.latency_s + (n - 1) * kv * e / machine.collective_bytes_per_s
+        copies = 2 * n * kv * e / machine.memory_bytes_per_s  # the gathered K/V written, then read in order
+        if shape.backward:
+            comm += machine.latency_s + (n - 1) * kv * 4 / machine.collective_bytes_per_s
+            copies += 2 * n * kv * 4 / machine.memory_bytes_per_s
+        return Prediction("allgather", kernel + comm + copies, kernel, comm, comm + copies)
+    if strategy in HEAD_STRATEGIES:
+        u = n if strategy == "ulysses" else shape.ulysses_degree
+        if u < 1 or n % u:
+            raise ValueError(f"{strategy}: ulysses degree {u} does not divide {n} ranks")
+        kv_heads_sent = max(shape.kv_heads, u)  # replicated up to U when Hkv < U
+        share = (u - 1) / u
+        l_len = shape.local_len
+        fwd_send = b * l_len * (shape.q_heads * d + kv_heads_sent * (d + dv)) * e
+        fwd_back = b * l_len * shape.q_heads * (dv * e + 4)  # out and float32 lse
+        bytes_moved = fwd_send + fwd_back
+        if shape.backward:
+            grad_kv_bytes = 4 if kv_heads_sent > shape.kv_heads else e
+            bytes_moved += b * l_len * shape.q_heads * dv * e  # dout out
+            bytes_moved += b * l_len * (shape.q_heads * d * e + kv_heads_sent * (d + dv) * grad_kv_bytes)
+        rounds = 4 if shape.backward else 2
+        comm = rounds * machine.latency_s + share * bytes_moved / machine.collective_bytes_per_s
+        copies = 2 * bytes_moved / machine.memory_bytes_per_s  # packed into, and unpacked from, the exchange
+        if strategy == "ulysses":
+            kernel = _kernel_s(machine, _flops(shape, shape.q_heads / u, shape.total_pairs), n * l_len, 1)
+            return Prediction("ulysses", kernel + comm + copies, kernel, comm, comm + copies)
+        r = n // u
+        ring_total, kernel, ring_comm, ring_exposed = _ring(
+            machine, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
+            shape.hybrid_rounds, shape.hybrid_calls, u * l_len)
+        note = f"ulysses {u} x ring {r}"
+        return Prediction("hybrid", ring_total + comm + copies, kernel, comm + ring_comm,
+                          comm + copies + ring_exposed, note)
+    raise ValueError(f"predict: unknown strategy {strategy!r}")
+
+
+def rank(strategies, shape: CallShape, machine: Machine) -> list[Prediction]:
+    """Predictions for `strategies`, fastest first (ties keep the given order)."""
+    preds = [predict(s, shape, machine) for s in strategies]
+    return sorted(preds, key=lambda p: p.total_s)
+
+
+def with_constants(machine: Machine, **changes) -> Machine:
+    return replace(machine, **changes)
+
+
+def machine_for(device_type: str, override: Optional[Machine]) -> Machine:
+    """The constants in force: `dtcp.config.cost_machine` (set by dtcp.calibrate() or by hand),
+    else the shipped H200 NVLink figures."""
+    return override if override is not None else MACHINES["h200-nvlink"]
