@@ -248,7 +248,9 @@ def explain(
         layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
     args = CallArgs("", layout_spec, bool(is_causal), default_scale(q.shape[-1]), "auto", left, right, "auto")
     choice, preds = _explain(q, k, v, args, cu_values, n, cp_rank, u, cp_rank % u if u else 0, backward=backward)
-    lines = [f"auto -> {choice}  ({'forward + backward' if backward else 'forward'}, {n} ranks, "
+    why = "" if not preds or preds[0].strategy == choice else \
+        " [short: the all-gather first, K/V <= dtcp.config.allgather_max_bytes]"
+    lines = [f"auto -> {choice}{why}  ({'forward + backward' if backward else 'forward'}, {n} ranks, "
              f"q {tuple(q.shape)}, k {tuple(k.shape)}, {layout!r}, causal={is_causal}, window=({left}, {right}))"]
     for p in preds:
         lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms, "

@@ -37,12 +37,18 @@ def full_inputs(hq, hkv, s, seed=0, b=2, d=8):
 # ---- the rewrite, buffers, gradients ---------------------------------------------------------
 
 
-def rewrite_matches_reference(layout_spec, is_causal, hq, hkv):
+def rewrite_matches_reference(layout_spec, is_causal, hq, hkv, two_dim=False):
     """q, k, v are the block's buffers (and require grad): inside they hold shards; SDPA called
     by both names must give this rank's rows of full attention; on exit they hold the full
-    values again and their .grad is the full gradient."""
+    values again and their .grad is the full gradient. `two_dim`: a 2x2 CP mesh (hybrid)."""
     n = dist.get_world_size()
-    mesh = mesh_of((n,), ("cp",))
+    if two_dim:
+        full_mesh = mesh_of((2, 2), ("cp_ring", "cp_ulysses"))
+        mesh, options = full_mesh, {"mesh_dim": ("cp_ring", "cp_ulysses")}
+        dtcp.comm_stats.reset()
+    else:
+        mesh = full_mesh = mesh_of((n,), ("cp",))
+        options = {}
     layout = dtcp.layout_from_spec(layout_spec)
     q, k, v, dout = full_inputs(hq, hkv, 8 * n)
     ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -53,7 +59,8 @@ def rewrite_matches_reference(layout_spec, is_causal, hq, hkv):
     for t in (q, k, v):
         t.requires_grad_(True)
     gqa = hq != hkv
-    with dtcp.context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], layout=layout) as cp:
+    with dtcp.context_parallel(full_mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], layout=layout,
+                               **options) as cp:
         assert q.shape[2] == 8 and k.shape[2] == 8, q.shape  # sharded in place
         assert torch.equal(q.detach(), layout.shard(q0, mesh, dim=2))
         assert torch.equal(cp.positions(8 * n), layout.positions(8 * n, mesh))
@@ -65,7 +72,7 @@ def rewrite_matches_reference(layout_spec, is_causal, hq, hkv):
     restored = all(torch.equal(a.detach(), b) for a, b in zip((q, k, v), (q0, k0, v0)))
     errs = [rel_err(out_full, ref_out)] + [rel_err(t.grad, r.grad) for t, r in zip((q, k, v), ref_inputs)]
     return {"max_err": max(errs), "restored": restored, "shapes": [tuple(t.shape) for t in (q, k, v)],
-            "grad_shapes": [tuple(t.grad.shape) for t in (q, k, v)]}
+            "grad_shapes": [tuple(t.grad.shape) for t in (q, k, v)], "heads_rounds": dtcp.comm_stats.heads_rounds}
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped:1", "striped:2"])
@@ -75,6 +82,16 @@ def test_rewrite_two_ranks(layout, is_causal):
         assert r["restored"] and r["shapes"] == [(2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8)], r
         assert r["grad_shapes"] == r["shapes"], r
         assert r["max_err"] < 1e-10, r
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped:1"])
+def test_rewrite_on_a_2x2_mesh_runs_hybrid(layout):
+    """mesh_dim=(ring dim, Ulysses dim): buffers sharded over the 4 CP ranks, SDPA runs hybrid
+    (heads exchanged), buffers and gradients restored, exact."""
+    for r in run_ranks(4, rewrite_matches_reference, layout, True, 4, 2, True):
+        assert r["restored"] and r["max_err"] < 1e-10, r
+        assert r["grad_shapes"] == r["shapes"] == [(2, 4, 32, 8), (2, 2, 32, 8), (2, 2, 32, 8)], r
+        assert r["heads_rounds"] == 6, r  # two SDPA calls (2 all-to-alls each) and one backward (2)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped:1"])

@@ -289,20 +289,29 @@ def test_cost_model_orders_what_it_should():
         predict("p2p", long, m)
 
 
-def explain_report():
-    q = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16, device="meta")
+def explain_report(local_len=4096):
+    q = torch.empty(1, 32, local_len, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, local_len, 128, dtype=torch.bfloat16, device="meta")
     return dtcp.explain(q, k, k, layout="zigzag", is_causal=True)
 
 
+def explain_reports():
+    return [explain_report(n) for n in (1024, 65536)]
+
+
 def test_explain_is_the_same_on_every_rank():
-    reports = run_ranks(2, explain_report)
+    reports = run_ranks(2, explain_reports)
     assert reports[0] == reports[1]
-    lines = reports[0].splitlines()
-    assert lines[0].startswith("auto -> ")
-    picked = lines[0].split()[2]
-    assert picked in ("ring", "allgather", "ulysses") and lines[1].split()[0] == picked
-    assert {line.split()[0] for line in lines[1:]} == {"ring", "allgather", "ulysses"}
+    short, long = (r.splitlines() for r in reports[0])
+    for lines in (short, long):
+        assert lines[0].startswith("auto -> ")
+        assert {line.split()[0] for line in lines[1:]} == {"ring", "allgather", "ulysses"}
+        times = [float(line.split()[2]) for line in lines[1:]]
+        assert times == sorted(times)  # fastest first
+    # 2 ranks x 1024 tokens x 8 heads x 128 x 2 (K, V) x 2 bytes = 8 MiB <= 16 MiB: the all-gather rule
+    assert short[0].split()[2] == "allgather"
+    # 128K tokens: the model's fastest
+    assert long[0].split()[2] == long[1].split()[0] and "[short" not in long[0]
 
 
 def calibrated():

@@ -298,10 +298,9 @@ def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sink
 
 
 def strategy_candidates(requested: str, q, k, v, args: CallArgs, problem: _Problem) -> tuple[str, ...]:
-    """The strategies to try, best first. An explicit request is the only candidate. "auto" on a
-    2-D mesh is "hybrid"; on a 1-D group on CUDA the cost model's ranking of the strategies the
-    call allows (dtcp.explain shows it); elsewhere the exchange policy of dtcp/plan/exchange.py
-    (the ring on CPU, where strategies were not measured)."""
+    """The strategies to try, best first. An explicit request is the only candidate. "auto": on a
+    2-D mesh "hybrid"; on a 1-D group on CUDA `auto_order`; elsewhere the exchange policy of
+    dtcp/plan/exchange.py (the ring on CPU, where strategies were not measured)."""
     if requested == "hybrid" or (requested == "auto" and problem.head_group_size):
         return ("hybrid",)
     if requested != "auto":
@@ -310,7 +309,21 @@ def strategy_candidates(requested: str, q, k, v, args: CallArgs, problem: _Probl
         gathered_kv_bytes = 2 * k.numel() * k.element_size() * problem.world_size
         return exchange_candidates("auto", problem.layout, q.shape[2], problem.world_size, q.device.type,
                                    gathered_kv_bytes, config.allgather_max_bytes)
-    return tuple(p.strategy for p in predictions(q, k, v, args, problem))
+    return auto_order(q, k, v, args, problem)[0]
+
+
+def auto_order(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True):
+    """(strategies best first, the cost model's predictions) of strategy="auto" on CUDA. Where the
+    whole sequence's K/V is at most dtcp.config.allgather_max_bytes and the layout allows it, the
+    all-gather comes first whatever the model says: measured ahead there on H200s (host-bound
+    calls; under torch.compile it is traced into the graph as one launch); the model orders the rest."""
+    preds = predictions(q, k, v, args, problem, backward=backward)
+    order = [p.strategy for p in preds]
+    gathered_kv_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * problem.world_size
+    if "allgather" in order and gathered_kv_bytes <= config.allgather_max_bytes:
+        order.remove("allgather")
+        order.insert(0, "allgather")
+    return tuple(order), preds
 
 
 @dataclass(frozen=True)
@@ -329,8 +342,8 @@ def explain(q, k, v, args: CallArgs, cu_values, world_size: int, rank: int, head
     problem = _problem(q, args, cu_values, ring, head)
     if problem.head_group_size:
         return "hybrid", []
-    preds = predictions(q, k, v, args, problem, backward=backward)
-    return preds[0].strategy, preds
+    order, preds = auto_order(q, k, v, args, problem, backward=backward)
+    return order[0], preds
 
 
 def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True) -> list[Prediction]:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from .. import _compat
-from .._groups import group_rank, group_size
+from .._groups import cp_size_and_rank
 from ..api import ring_attention
 from ..layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
 from . import dtensor as _dt
@@ -39,12 +39,20 @@ _SDPA_FUNCS = _compat.sdpa_functions()
 # ---- mesh / group --------------------------------------------------------------------------
 
 
-def resolve_cp_mesh(mesh, mesh_dim: Union[str, int, None] = None):
-    """(1-D cp DeviceMesh, its ProcessGroup) from a 1-D mesh, or an N-D mesh plus `mesh_dim`."""
+def resolve_cp_mesh(mesh, mesh_dim=None):
+    """(cp DeviceMesh, its CP group) from a 1-D mesh, or an N-D mesh plus `mesh_dim`. `mesh_dim`
+    may name two dims, (ring dim, Ulysses dim): the CP group is then the pair of their groups (a
+    2-D CP mesh, for strategy="hybrid"; CP rank = ring rank * U + Ulysses rank)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed DeviceMesh (init_device_mesh(...)); got {type(mesh).__name__}"
         )
+    if isinstance(mesh_dim, (tuple, list)):
+        if len(mesh_dim) != 2 or mesh.mesh_dim_names is None or not all(d in mesh.mesh_dim_names for d in mesh_dim):
+            raise ValueError(f"mesh_dim={tuple(mesh_dim)!r}: a 2-D CP mesh is named by two of this mesh's dims "
+                             f"{mesh.mesh_dim_names}, (ring dim, Ulysses dim)")
+        sub = mesh[tuple(mesh_dim)]
+        return sub, (sub.get_group(0), sub.get_group(1))
     if mesh.ndim == 1:
         if mesh_dim is not None and mesh_dim not in (0, mesh.mesh_dim_names and mesh.mesh_dim_names[0]):
             raise ValueError(f"mesh_dim={mesh_dim!r} does not name the only dim of this 1-D mesh {mesh.mesh_dim_names}")
@@ -104,7 +112,7 @@ def shard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]
     _, pg = resolve_cp_mesh(mesh, mesh_dim)
     layout = layout_from_spec(layout)
     buffers, seq_dims = _check_buffers(buffers, seq_dims, "seq_dims")
-    n = group_size(pg)
+    n = cp_size_and_rank(pg)[0]
     out = []
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         _check_len(layout, b.shape[d], n, f"buffers[{i}] (shape {tuple(b.shape)}, seq dim {d})")
@@ -119,7 +127,7 @@ def unshard_buffers(mesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[in
     _, pg = resolve_cp_mesh(mesh, mesh_dim)
     layout = layout_from_spec(layout)
     buffers, seq_dims = _check_buffers(buffers, seq_dims, "seq_dims")
-    n = group_size(pg)
+    n = cp_size_and_rank(pg)[0]
     out = []
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         _check_len(layout, b.shape[d] * n, n, f"buffers[{i}] (local shape {tuple(b.shape)}, seq dim {d})")
@@ -206,11 +214,12 @@ class ContextParallelHandle:
 
     @property
     def world_size(self) -> int:
-        return group_size(self.group)
+        return cp_size_and_rank(self.group)[0]
 
     @property
     def rank(self) -> int:
-        return group_rank(self.group)
+        """This rank's place in the CP group (ring rank * U + Ulysses rank on a 2-D CP mesh)."""
+        return cp_size_and_rank(self.group)[1]
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """Global positions (int64, (seq_len / N,)) of this rank's tokens of a sequence of
@@ -269,7 +278,9 @@ def context_parallel(
             all-gathered into the full-shape gradient on exit.
         buffer_seq_dims: the sequence dim of each buffer.
         no_restore_buffers: buffers (a subset of `buffers`) that keep their shard after the block.
-        mesh_dim: name (or index) of the context-parallel dim when `mesh` is N-D, e.g. "cp".
+        mesh_dim: name (or index) of the context-parallel dim when `mesh` is N-D, e.g. "cp"; or
+            two names, (ring dim, Ulysses dim), for a 2-D CP mesh (strategy "hybrid", which
+            "auto" takes there), e.g. ("cp_ring", "cp_ulysses").
         layout: which tokens each rank holds (dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(b)).
         backend: local attention kernel, as in `dtcp.ring_attention`.
         **ring_kwargs: further options forwarded to every `dtcp.ring_attention` call unchanged.
@@ -290,7 +301,7 @@ def context_parallel(
     for b in no_restore:
         if not any(b is c for c in buffers):
             raise ValueError("no_restore_buffers must be a subset of buffers (the same tensor objects)")
-    n = group_size(pg)
+    n = cp_size_and_rank(pg)[0]
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         _check_len(layout, b.shape[d], n, f"buffers[{i}] (shape {tuple(b.shape)}, buffer_seq_dims[{i}]={d})")
 

@@ -257,6 +257,9 @@ def ring_sdpa_dtensor(mode, q, k, v, is_causal, scale, enable_gqa):
         raise ValueError(f"q/k/v are sharded on the sequence over mesh dims {seq_mesh_dims}; shard it over one "
                          "(the context-parallel dim)")
     group = mode.group
+    if isinstance(group, tuple):
+        raise ValueError("scaled_dot_product_attention inside dtcp.context_parallel on a 2-D CP mesh got DTensor "
+                         "q/k/v: pass plain local tensors (the block shards the buffers), or use a 1-D CP mesh")
     if seq_mesh_dims:
         m = seq_mesh_dims[0]
         group = mesh.get_group(m)

@@ -40,13 +40,13 @@ def shard(layout, x: torch.Tensor, group: GroupLike = None, dim: int = 2) -> tor
 
 def unshard(layout, x_local: torch.Tensor, group: GroupLike = None, dim: int = 2) -> torch.Tensor:
     """The full tensor in original token order (all-gather; gradients flow back to the shards)."""
-    if resolve_cp_groups(group)[1] is not None:
-        raise ValueError("unshard: group is a 2-D CP mesh; unshard over the flattened CP group (all N ranks, ring "
-                         "rank major), e.g. dist.new_group of its ranks")
-    pg = resolve_group(group)
-    n = group_size(pg)
+    ring_pg, head_pg = resolve_cp_groups(group)
+    n = cp_size_and_rank(group)[0]
     dim = dim % x_local.dim()
-    gathered = _AllGatherCat.apply(x_local, pg, dim)  # rank-major order
+    if head_pg is None:
+        gathered = _AllGatherCat.apply(x_local, ring_pg, dim)  # rank-major order
+    else:  # a 2-D CP mesh: inside the Ulysses groups, then across them: CP-rank-major order
+        gathered = _AllGatherCat.apply(_AllGatherCat.apply(x_local, head_pg, dim), ring_pg, dim)
     inv = torch.argsort(layout.permutation(x_local.shape[dim] * n, n))
     return gathered.index_select(dim, inv.to(x_local.device))
 

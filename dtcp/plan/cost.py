@@ -157,8 +157,10 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, local_len: int, hea
     return total, kernel, comm, total - kernel
 
 
-def predict(strategy: str, shape: CallShape, machine: Machine) -> Prediction:
-    """Predicted time of one call of `shape` under `strategy` on `machine`."""
+def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[Machine] = None) -> Prediction:
+    """Predicted time of one call of `shape` under `strategy` on `machine`. `outer`: the links
+    across the Ulysses groups of a hybrid mesh when they differ (e.g. InfiniBand between nodes,
+    NVLink inside them); the kernel figures are always `machine`'s."""
     n, b, e = shape.world_size, shape.batch, shape.elem_bytes
     d, dv = shape.head_dim, shape.v_head_dim
     if strategy == "ring":
@@ -197,8 +199,11 @@ def predict(strategy: str, shape: CallShape, machine: Machine) -> Prediction:
             kernel = _kernel_s(machine, _flops(shape, shape.q_heads / u, shape.total_pairs), n * l_len, 1)
             return Prediction("ulysses", kernel + comm + copies, kernel, comm, comm + copies)
         r = n // u
+        across = machine if outer is None else replace(outer, kernel_flops_per_s=machine.kernel_flops_per_s,
+                                                       kernel_half_block=machine.kernel_half_block,
+                                                       call_overhead_s=machine.call_overhead_s)
         ring_total, kernel, ring_comm, ring_exposed = _ring(
-            machine, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
+            across, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
             shape.hybrid_rounds, shape.hybrid_calls, u * l_len)
         note = f"ulysses {u} x ring {r}"
         return Prediction("hybrid", ring_total + comm + copies, kernel, comm + ring_comm,
