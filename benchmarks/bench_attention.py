@@ -5,15 +5,18 @@
     torchrun --nproc-per-node 2 benchmarks/bench_attention.py --device cpu --seq-lens 512 --heads 4 --head-dim 32
 
 For each total sequence length S and configuration it times forward and forward+backward of
+  one-gpu     one GPU running the best local kernel over the whole sequence, no context
+              parallelism at all (backend="auto"'s choice for it: FlashAttention-4 where installed,
+              else cuDNN), every rank at once; the reference for the "of one GPU" ratios;
   ideal       the same local kernels on this rank's blocks, with the same merges, and no
               communication (dtcp's ring with a no-op communicator);
   dtcp        dtcp.ring_attention (eager, and inside torch.compile), with each --kv-exchange
               (auto, ring, allgather; named dtcp-<layout> for auto, dtcp-<layout>-<exchange> else);
   torch-cp    PyTorch's torch.distributed.tensor.experimental.context_parallel with the same
               kernel, rotate method allgather and alltoall (CUDA only);
-and reports ms, TFLOPs per GPU (causal fwd FLOPs = 2*B*H*S^2*D / N, fwd+bwd = 3.5x that), the
-ratios to the ideal and to the best torch-cp, peak memory per GPU and K/V bytes sent per ring
-step. Times are CUDA-event means after warm-up, max over ranks. Writes results.json and
+and reports ms, TFLOPs per GPU (causal fwd FLOPs = 2*B*H*S^2*D / N, fwd+bwd = 3.5x that; N = 1
+for one-gpu), the ratios to one GPU's best kernel, to the ideal and to the best torch-cp, peak
+memory per GPU and K/V bytes sent per ring step. Times are CUDA-event means after warm-up, max over ranks. Writes results.json and
 tflops.png to --out.
 """
 
@@ -33,7 +36,8 @@ from _setup import init_distributed
 from dtcp.comm.p2p import NoComm
 from dtcp.exec.ring import ring_backward, ring_forward
 from dtcp.exec.route import CallArgs, route_for
-from dtcp.kernels import default_scale
+from dtcp.kernels import default_scale, select_kernel
+from dtcp.plan import Task
 
 
 def flops(b, h, s, d, causal, world, with_bwd):
@@ -110,7 +114,7 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode, kv_exc
     else:
         def attn(q, k, v):
             return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=gqa, backend=backend,
-                                       kv_exchange=kv_exchange)
+                                       strategy=kv_exchange)
 
         if mode == "compile":
             attn = torch.compile(attn, fullgraph=True)
@@ -138,6 +142,31 @@ def bench_dtcp(args, s, hkv, layout, backend, device, dtype, timer, mode, kv_exc
     return t_fwd, t_all, mem
 
 
+def bench_one_gpu(args, s, hkv, device, dtype, timer):
+    """One GPU, the whole sequence, the best local kernel for it (backend="auto"'s choice:
+    FlashAttention-4 where installed, else cuDNN), through dtcp's kernel interface (the kernels'
+    own forward and backward, nothing else). Every rank runs it on its own GPU at once."""
+    q = torch.randn(args.batch, args.heads, s, args.head_dim, device=device, dtype=dtype)
+    k = torch.randn(args.batch, hkv, s, args.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    task = Task(0, s, 0, s, None, 0)  # causal
+    kernel = select_kernel("auto", q, k, [task])
+    scale = default_scale(args.head_dim)
+
+    def fwd():
+        return kernel.forward(q, k, v, None, 0, scale)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        return kernel.backward(dout, q, k, v, out, lse, None, 0, scale)
+
+    reset_mem(device)
+    t_fwd = timer(fwd, args.warmup, args.iters)
+    t_all = timer(fwd_bwd, args.warmup, args.iters)
+    return kernel.name, t_fwd, t_all, peak_mem_gib(device)
+
+
 def bench_torch_cp(args, s, hkv, backend, device, dtype, timer, rotate):
     """PyTorch's native context parallel (head-tail layout) with the same SDPA kernel."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -145,9 +174,11 @@ def bench_torch_cp(args, s, hkv, backend, device, dtype, timer, rotate):
     from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # "auto": cuDNN, which SDPA itself prefers on H200 (and torchtitan's CP runs there).
+    # "auto": cuDNN, which SDPA itself prefers on H200 (and torchtitan's CP runs there). "fa4":
+    # cuDNN too, torch CP's fastest kernel (SDPA's FA4 route fails on torch 2.11 with flash-attn-4
+    # 4.0.0b36: its _flash_attn_fwd returns 5 values, torch unpacks 2).
     sdpa_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                    "auto": SDPBackend.CUDNN_ATTENTION}[backend]
+                    "auto": SDPBackend.CUDNN_ATTENTION, "fa4": SDPBackend.CUDNN_ATTENTION}[backend]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     set_rotate_method(rotate)
     q = torch.randn(args.batch, args.heads, s, args.head_dim, device=device, dtype=dtype)
@@ -239,6 +270,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--profile", action="store_true", help="measure NCCL/compute kernel overlap of dtcp fwd+bwd")
+    p.add_argument("--no-one-gpu", action="store_true", help="skip the one-GPU whole-sequence reference")
     args = p.parse_args()
 
     device = init_distributed(args.device)
@@ -249,9 +281,9 @@ def main():
     timer = Timer(device)
     rows = []
 
-    def report(system, s, hkv, backend, layout_name, mode, t_fwd, t_all, mem, kv_bytes):
-        fl_f = flops(args.batch, args.heads, s, args.head_dim, True, world, False)
-        fl_a = flops(args.batch, args.heads, s, args.head_dim, True, world, True)
+    def report(system, s, hkv, backend, layout_name, mode, t_fwd, t_all, mem, kv_bytes, gpus=world):
+        fl_f = flops(args.batch, args.heads, s, args.head_dim, True, gpus, False)
+        fl_a = flops(args.batch, args.heads, s, args.head_dim, True, gpus, True)
         row = dict(system=system, seq_len=s, kv_heads=hkv, backend=backend, layout=layout_name, mode=mode,
                    fwd_ms=t_fwd, fwd_bwd_ms=t_all, fwd_tflops=fl_f / t_fwd / 1e9, fwd_bwd_tflops=fl_a / t_all / 1e9,
                    peak_mem_gib=mem, kv_bytes_per_step=kv_bytes)
@@ -262,6 +294,14 @@ def main():
 
     for s in args.seq_lens:
         for hkv in kv_heads:
+            if not args.no_one_gpu:
+                try:
+                    name, *r = bench_one_gpu(args, s, hkv, device, dtype, timer)
+                    report("one-gpu", s, hkv, name, "whole", "kernel", *r, 0, gpus=1)
+                except Exception as e:
+                    if rank == 0:
+                        print(f"S={s} one-gpu: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                reset_mem(device)
             for backend in backends:
                 kv_bytes = 2 * args.batch * hkv * (s // world) * args.head_dim * torch.finfo(dtype).bits // 8
                 for layout_name in args.layouts:
@@ -296,18 +336,32 @@ def main():
 
 
 def summarize(rows):
-    print("\nsummary (fwd+bwd TFLOPs per GPU; ratio to ideal; ratio to best torch-cp with the same kernel):")
+    print("\nsummary (fwd+bwd TFLOPs per GPU; ratio to one GPU running the best kernel over the whole sequence "
+          "(one-gpu, fwd ratio in brackets); ratio to ideal; ratio to best torch-cp with the same backend "
+          "(cuDNN for fa4)):")
     for r in rows:
-        if r["system"] == "ideal" or r["system"].startswith("torch-cp"):
+        if r["system"].startswith("torch-cp"):
             continue
-        same = lambda x: x["seq_len"] == r["seq_len"] and x["kv_heads"] == r["kv_heads"] and x["backend"] == r["backend"]  # noqa: E731
+        size = lambda x: x["seq_len"] == r["seq_len"] and x["kv_heads"] == r["kv_heads"]  # noqa: E731
+        same = lambda x: size(x) and x["backend"] == r["backend"]  # noqa: E731
+        if r["system"] == "one-gpu":
+            print(f"  S={r['seq_len']:>8} kv={r['kv_heads']:>2} {r['backend']:6s} {'one-gpu':16s} {'kernel':8s} "
+                  f"{r['fwd_bwd_tflops']:6.1f} TF  (fwd {r['fwd_tflops']:.1f} TF): the reference")
+            continue
+        one = [x for x in rows if size(x) and x["system"] == "one-gpu"]
         ideal = [x for x in rows if same(x) and x["system"] == "ideal" and x["layout"] == r["layout"]]
         native = [x for x in rows if same(x) and x["system"].startswith("torch-cp")]
+        vs_one = r["fwd_bwd_tflops"] / one[0]["fwd_bwd_tflops"] if one else float("nan")
+        fwd_one = r["fwd_tflops"] / one[0]["fwd_tflops"] if one else float("nan")
         vs_ideal = r["fwd_bwd_tflops"] / ideal[0]["fwd_bwd_tflops"] if ideal else float("nan")
         vs_native = r["fwd_bwd_tflops"] / max(x["fwd_bwd_tflops"] for x in native) if native else float("nan")
         fwd_ideal = r["fwd_tflops"] / ideal[0]["fwd_tflops"] if ideal else float("nan")
-        print(f"  S={r['seq_len']:>8} kv={r['kv_heads']:>2} {r['backend']:6s} {r['system']:16s} {r['mode']:8s} "
-              f"{r['fwd_bwd_tflops']:6.1f} TF  x{vs_ideal:.3f} of ideal (fwd x{fwd_ideal:.3f})  x{vs_native:.3f} of torch-cp")
+        line = (f"  S={r['seq_len']:>8} kv={r['kv_heads']:>2} {r['backend']:6s} {r['system']:16s} {r['mode']:8s} "
+                f"{r['fwd_bwd_tflops']:6.1f} TF  x{vs_one:.3f} of one-gpu {one[0]['backend'] if one else '-'} "
+                f"(fwd x{fwd_one:.3f})")
+        if r["system"] != "ideal":
+            line += f"  x{vs_ideal:.3f} of ideal (fwd x{fwd_ideal:.3f})  x{vs_native:.3f} of torch-cp"
+        print(line)
 
 
 def plot(rows, path, world):

@@ -29,7 +29,7 @@ layout = dtcp.Zigzag()
 
 
 def attn(q, k, v):
-    return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, kv_exchange="allgather")
+    return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, strategy="allgather")
 
 
 def rel(a, b):

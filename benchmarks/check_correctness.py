@@ -61,7 +61,7 @@ def run_case(layout, is_causal, hq, hkv, backend, args, device, dtype, kv_exchan
 
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv,
-                                   backend=backend, return_lse=True, kv_exchange=kv_exchange)
+                                   backend=backend, return_lse=True, strategy=kv_exchange)
     out.backward(shard(dout))
     ring = dict(zip(KEYS, (out, lse, local[0].grad, local[1].grad, local[2].grad)))
 

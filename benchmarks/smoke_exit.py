@@ -10,7 +10,7 @@ from _setup import init_distributed
 device = init_distributed("cuda" if torch.cuda.is_available() else "cpu")
 q = torch.randn(1, 8, 4096, 64, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                 requires_grad=True)
-out = dtcp.ring_attention(q, q, q, layout="zigzag", is_causal=True, kv_exchange="ring")
+out = dtcp.ring_attention(q, q, q, layout="zigzag", is_causal=True, strategy="ring")
 out.sum().backward()
 if device.type == "cuda":
     torch.cuda.synchronize()

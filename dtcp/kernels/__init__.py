@@ -13,6 +13,7 @@ from .base import Kernel, VarlenSeqs, acc_dtype, band_mask, band_mask_traceable,
 from .cpu_flash import CpuFlashKernel
 from .cudnn import CudnnKernel
 from .fa2 import FlashAttnPackageKernel
+from .fa4 import Fa4Kernel
 from .flash import CudaFlashKernel, flash_band_reason
 from .flex import FlexKernel
 from .math import MathKernel
@@ -24,12 +25,15 @@ __all__ = ["Kernel", "VarlenSeqs", "KERNELS", "AUTO_ORDER", "select_kernel", "ac
 
 KERNELS: dict[str, Kernel] = {
     k.name: k
-    for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel(), FlashAttnPackageKernel(), FlexKernel())
+    for k in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudnnKernel(), FlashAttnPackageKernel(), Fa4Kernel(),
+              FlexKernel())
 }
 
 # Fastest first, by the measurements in docs/performance.md (Backends on H200); the flash-attn
-# package's FA2 is the same algorithm as PyTorch's bundled flash.
-AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("cudnn", "flash", "fa2", "flex", "math")}
+# package's FA2 is the same algorithm as PyTorch's bundled flash. FlashAttention-4 (flash-attn-4)
+# leads where it is installed and applicable (its reject_reason refuses otherwise: not installed,
+# compute capability < 9.0, ...), and auto falls through to cuDNN.
+AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("fa4", "cudnn", "flash", "fa2", "flex", "math")}
 
 
 def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task],

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import dtcp
 from dist_harness import run_in_fresh_pool, run_ranks
 from dtcp.kernels import KERNELS
+from dtcp.kernels.fa4 import fa4_interface
 from dtcp.kernels.math import MathKernel
 
 WORLD = 2
@@ -42,6 +43,20 @@ def test_correctness_matrix_both_exchanges():
     for row in r["rows"]:
         if row["refused"]:  # only cuDNN's causal blocks under the all-gather schedule are refused
             assert row["backend"] == "cudnn" and row["kv_exchange"] == "allgather" and row["causal"], row
+
+
+def test_correctness_matrix_fa4():
+    """The same matrix with FlashAttention-4 (backend "fa4"), skipped only where flash_attn.cute
+    cannot be imported (pip install "dtcp[flash]")."""
+    _, why = fa4_interface()
+    if why is not None:
+        pytest.skip(why)
+    r = run_ranks(WORLD, matrix, ["fa4"], ["ring", "allgather", "auto"], 4096, pg_backend="nccl", timeout=900)[0]
+    worst = max(max(row["ratio"].values()) for row in r["rows"])
+    print(f"\nfa4 correctness matrix: {sum(row['ok'] for row in r['rows'])} passed, {r['failures']} failed, "
+          f"{sum(row['refused'] for row in r['rows'])} refused; worst ratio to the kernel's own error {worst:.3f}")
+    assert r["failures"] == 0, [row for row in r["rows"] if not row["ok"]]
+    assert not any(row["refused"] for row in r["rows"]), "fa4 serves every band of both exchanges"
 
 
 # ---- copy-engine stress ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ a ``[dtcp]`` section::
 
     [dtcp]
     layout = "zigzag"               # contiguous | zigzag | striped | striped:<block>
-    backend = "auto"                # auto | cudnn | flash | fa2 | flex | cpu_flash | math
+    backend = "auto"                # auto | fa4 | cudnn | flash | fa2 | flex | cpu_flash | math
     window_size = -1                # causal sliding window: keys up to this many tokens back; -1: none
     strategy = "auto"               # auto | ring | allgather | ulysses
 

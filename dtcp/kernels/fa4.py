@@ -1,0 +1,346 @@
+"""FlashAttention-4 (the flash-attn-4 package, module flash_attn.cute: CuTe DSL kernels compiled on
+first use), when installed (`pip install "dtcp[flash]"`): Hopper and Blackwell, fp16/bf16, GQA
+without repeating K/V, bottom-right aligned windows, softcap, attention sinks, a value head dim of
+its own, varlen in one launch.
+
+dtcp calls FA4's low-level pair in flash_attn/cute/interface.py (checked on flash-attn-4 4.0.0b36):
+
+    _flash_attn_fwd(q, k, v, ..., softmax_scale, causal, softcap, window_size_left,
+                    window_size_right, learnable_sink, return_lse=True) -> (out, lse, ...)
+    _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left,
+                    window_size_right, ...) -> (dq, dk, dv)
+
+q/k/v/out/dout are (B, L, H, D) (varlen: (T, H, D) with int32 cu_seqlens); lse is float32
+(B, H, L) (varlen: (H, T)), natural log, including the sink. The backward takes out and lse from
+outside, so dtcp passes the merged (global) ones and gets this block's share of the gradient; it
+uses the sink only through that lse (FA4 would add a sink gradient only if given the sink, and dtcp
+computes that gradient itself). dq/dk/dv come back in the input dtype (FA4 accumulates in fp32 and
+converts); dk/dv with the K/V head count.
+
+Masks. FA4's window (left, right) keeps key `col` for query `row` iff
+    row + (k_len - q_len) - left <= col <= row + (k_len - q_len) + right
+(None = unbounded, `causal` = (None, 0)). FA4 reads two negative bounds as "unbounded", and its
+block ranges have no branch for a query tile that sees no key (the forward then visits one block
+before key 0; on H200, 4.0.0b36's forward still gave such rows out 0 and lse -inf:
+benchmarks/check_kernels.py --fa4-untrimmed). `fa4_call` keeps FA4 away from all of that: it runs
+each band-masked block on the rows that see a key and the keys some row sees, where both bounds are
+>= 0, row 0 sees key 0 and the last row the last key (exact by construction; a strictly-lower band
+(None, -1) becomes FA4's causal kernel). The rows left out get out 0 and lse -inf (the sink, with a
+sink); the keys left out get dK = dV = 0. Varlen calls cannot be cut so; sequences whose first rows
+see no key are refused there (the per-task schedule, or flash's varlen launch, serves them).
+
+Head dims: on Hopper, FA4 4.0.0b36's backward returns a wrong dq (and GQA dk/dv) for head dims
+<= 128 that round up to an odd number of 16s (16, 48, 80, 112: measured on H200), so those are
+refused there (`_head_dims_reason`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Optional
+
+import torch
+
+from ..plan import Band
+from .base import Kernel, VarlenSeqs, seq_slice
+
+INSTALL_HINT = 'pip install "dtcp[flash]"'
+
+# The import of flash_attn.cute, tried once per process on first use on a CUDA tensor: None =
+# not tried yet; else (interface module or None, None or why it is unavailable).
+_IMPORT: Optional[tuple] = None
+
+
+def fa4_interface():
+    """(flash_attn.cute.interface, None), or (None, why FA4 cannot be used). Imported lazily and
+    once: importing dtcp never imports FA4 (whose import loads the CUDA toolchain of the CuTe DSL)."""
+    global _IMPORT
+    if _IMPORT is None:
+        try:
+            from flash_attn.cute import interface  # optional third-party package
+        except ModuleNotFoundError as e:
+            _IMPORT = (None, f"fa4 needs FlashAttention-4 (module flash_attn.cute), which is not installed "
+                             f"({e}): {INSTALL_HINT}")
+        except Exception as e:  # noqa: BLE001 - a broken install (CUDA libraries, cutlass) is a reason, not a crash
+            _IMPORT = (None, f"fa4 needs FlashAttention-4 (module flash_attn.cute), which is installed but failed "
+                             f"to import ({type(e).__name__}: {e}); reinstall it with {INSTALL_HINT}")
+        else:
+            missing = [f for f in ("_flash_attn_fwd", "_flash_attn_bwd") if not hasattr(interface, f)]
+            _IMPORT = ((None, f"fa4 needs flash_attn.cute.interface.{missing[0]}, which this flash-attn-4 lacks "
+                              f"(checked on 4.0.0b36): {INSTALL_HINT}") if missing else (interface, None))
+    return _IMPORT
+
+
+def _interface():
+    module, why = fa4_interface()
+    if module is None:
+        raise RuntimeError(why)
+    return module
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _index(q: torch.Tensor) -> int:
+    return q.device.index if q.device.index is not None else torch.cuda.current_device()
+
+
+def _major(q: torch.Tensor) -> int:
+    return _capability(_index(q))[0]
+
+
+def _head_dims_reason(d: int, dv: int, major: int) -> Optional[str]:
+    """Why FA4 on compute capability `major`.x has no forward+backward for head dims (d, dv), or
+    None (flash_attn/cute/interface.py: _validate_head_dims and the backward's tile configs)."""
+    if d % 8 or dv % 8 or min(d, dv) < 8:
+        return f"fa4 needs head dims that are multiples of 8 and >= 8; got q/k {d}, v {dv}"
+    if major == 9:
+        if max(d, dv) > 256:
+            return f"fa4 on compute capability 9.x takes head dims up to 256; got q/k {d}, v {dv}"
+        odd = [x for x in (d, dv) if x <= 128 and (x + 15) // 16 % 2]
+        if odd:
+            # flash_bwd_sm90.py rounds its dQ (and GQA dK/dV) fp32 accumulator rows to 16 columns,
+            # interface.py and the postprocess read them rounded to 32: dq came back wrong (relative
+            # error ~0.9) for head dims 16, 48, 80, 112 on H200 with flash-attn-4 4.0.0b36, right
+            # for 24, 32, 64, 96, 128, 160, 256.
+            return (f"fa4 on compute capability 9.x gives wrong gradients for head dim {odd[0]} (FA4's Hopper "
+                    "backward needs head dims <= 128 to round up to an even number of 16s: 24, 32, 56, 64, 88, "
+                    "96, 120, 128 work; 16, 48, 80, 112 do not): use backend='cudnn' or 'flash'")
+        if d != dv and (d, dv) != (192, 128):
+            return (f"fa4 takes a v head dim different from q/k's only as (192, 128) (DeepSeek's, which FA4 has "
+                    f"tiles for); got ({d}, {dv}): use backend='math' or equal head dims")
+        return None
+    if major in (10, 11):
+        if (d <= 128 and dv <= 128) or (d, dv) in ((192, 128), (256, 256)):
+            return None
+        return (f"fa4 on compute capability {major}.x takes head dims up to 128, (192, 128) or (256, 256); "
+                f"got ({d}, {dv})")
+    if major == 12:
+        if d == dv and d <= 128:
+            return None
+        return f"fa4 on compute capability 12.x takes equal q/k and v head dims up to 128 in dtcp; got ({d}, {dv})"
+    return f"fa4 in dtcp knows compute capabilities 9.x to 12.x; got {major}.x"
+
+
+def _device_reason(q: torch.Tensor) -> Optional[str]:
+    """Device, dtype, installation and compute capability: why FA4 cannot run on q's device."""
+    if q.device.type != "cuda":
+        return f"fa4 needs CUDA tensors; got {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"fa4 takes float16/bfloat16; got {q.dtype}"
+    major, minor = _capability(_index(q))
+    if major < 9:
+        return (f"fa4 needs compute capability >= 9.0 (FA4 has no backward before Hopper); got {major}.{minor}: "
+                "use backend='flash' or 'cudnn'")
+    _, why = fa4_interface()
+    return why
+
+
+# ---- masks: dtcp's band on a block -> one FA4 call ------------------------------------------------------
+@dataclass(frozen=True)
+class Fa4Call:
+    """One band-masked q_len x k_len block as one FA4 call: query rows r0:r1 (those that see at
+    least one key) and keys c0:c1 (those some row sees) under FA4's bottom-right window (left,
+    right), None = unbounded; both are >= 0 when set. `empty` when no row sees any key."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    left: Optional[int]
+    right: Optional[int]
+
+    @property
+    def empty(self) -> bool:
+        return self.r1 <= self.r0
+
+    @property
+    def causal(self) -> bool:
+        """FA4's causal mask (what it makes of the window (None, 0) too)."""
+        return self.left is None and self.right == 0
+
+    def whole(self, q_len: int, k_len: int) -> bool:
+        """The call covers the whole block (no rows or keys left out)."""
+        return (self.r0, self.r1, self.c0, self.c1) == (0, q_len, 0, k_len)
+
+    def window_args(self) -> dict:
+        if self.causal:
+            return dict(causal=True, window_size_left=None, window_size_right=None)
+        return dict(causal=False, window_size_left=self.left, window_size_right=self.right)
+
+
+def fa4_call(q_len: int, k_len: int, lo: Optional[int], hi: Optional[int]) -> Fa4Call:
+    """The FA4 call that computes band (lo, hi) (key j visible from query i iff lo <= j - i <= hi,
+    None = unbounded) on a q_len x k_len block: exact, see the module docstring."""
+    nothing = Fa4Call(0, 0, 0, 0, None, None)
+    if q_len <= 0 or k_len <= 0 or (lo is not None and hi is not None and lo > hi):
+        return nothing
+    # Row i sees keys [max(0, i + lo), min(k_len - 1, i + hi)]: some iff i + hi >= 0 and i + lo < k_len.
+    r0 = 0 if hi is None else max(0, -hi)
+    r1 = q_len if lo is None else min(q_len, k_len - lo)
+    if r0 >= r1:
+        return nothing
+    c0 = 0 if lo is None else max(0, r0 + lo)
+    c1 = k_len if hi is None else min(k_len, r1 + hi)
+    sq, sk = r1 - r0, c1 - c0
+    # The band in the sub-block's own indices (i = i' + r0, j = j' + c0), bounds that cannot bind dropped.
+    sub = Band(None if lo is None else lo + r0 - c0, None if hi is None else hi + r0 - c0).normalized(sq, sk)
+    left, right = sub.aligned_window(sq, sk)  # the inverse of Band.from_aligned_window; -1 = unbounded
+    call = Fa4Call(r0, r1, c0, c1, None if sub.lo is None else left, None if sub.hi is None else right)
+    # Row 0 sees key 0 and the last row the last key, so a bounded side is never negative (FA4
+    # reads a negative bound literally, and two negative ones as "unbounded").
+    assert (call.left is None or call.left >= 0) and (call.right is None or call.right >= 0), \
+        (call, q_len, k_len, lo, hi)
+    return call
+
+
+def fa4_varlen_window(window: tuple[int, int]) -> dict:
+    """FA4's arguments for dtcp's varlen window (left, right), bottom-right aligned, -1 (any
+    negative: Band.from_aligned_window's reading) = unbounded."""
+    left, right = (None if w < 0 else w for w in window)
+    if left is None and right == 0:
+        return dict(causal=True, window_size_left=None, window_size_right=None)
+    return dict(causal=False, window_size_left=left, window_size_right=right)
+
+
+def fa4_varlen_reason(seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[str]:
+    """Why one FA4 varlen call with this bottom-right window is not known to be exact on these
+    sequences, or None: every row of a sequence must see a key (see the module docstring; a
+    window's left side never leaves the last rows without one)."""
+    right = window[1]
+    for q_len, k_len in seq_lens:
+        if q_len == 0:
+            continue
+        if k_len == 0 or (right >= 0 and k_len - q_len + right < 0):
+            return (f"fa4 takes no varlen sequence whose first rows see no key (a {q_len}x{k_len} sequence under the "
+                    f"bottom-right window {tuple(window)}): use backend='flash' or 'auto', which takes another kernel")
+    return None
+
+
+def _sink_rows(sink: Optional[torch.Tensor], shape, device) -> torch.Tensor:
+    """lse of rows that see no key: -inf, or the sink's logit (out stays 0)."""
+    if sink is None:
+        return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+    return sink.to(device=device, dtype=torch.float32)[None, :, None].expand(shape).clone()
+
+
+class Fa4Kernel(Kernel):
+    """FlashAttention-4 (flash_attn.cute): fp16/bf16 on compute capability >= 9.0, any band, GQA,
+    softcap, sinks, (192, 128) head dims, varlen in one launch."""
+
+    name = "fa4"
+    supports_varlen = True
+    varlen_one_launch = True  # _flash_attn_fwd/_bwd with cu_seqlens
+    takes_softcap = True
+    takes_sinks = True
+    takes_value_head_dim = True
+
+    # ---- what it refuses --------------------------------------------------------------------------------
+    def feature_reason(self, q, v, softcap, sinks):
+        why = super().feature_reason(q, v, softcap, sinks) or _device_reason(q)
+        if why is not None:
+            return why
+        major, d = _major(q), q.shape[-1]
+        dv = d if v is None else v.shape[-1]
+        why = _head_dims_reason(d, dv, major)
+        if why is not None:
+            return why
+        if v is not None and d != dv and q.shape[1] != v.shape[1] and major == 9:
+            # flash_bwd_sm90.py: assert self.same_hdim_kv, "GQA backward requires head_dim == head_dim_v"
+            return (f"fa4 on compute capability 9.x has no backward for GQA ({q.shape[1]} q heads, {v.shape[1]} kv "
+                    f"heads) with a v head dim ({dv}) different from q/k's ({d}): use equal head counts or "
+                    "backend='math'")
+        if softcap is not None and (major == 12 or (major in (10, 11) and d == 256)):
+            return f"fa4 has no softcap backward on compute capability {major}.x with head dim {d}: use backend='flex'"
+        return None
+
+    def reject_reason(self, q, k, tasks):
+        why = _device_reason(q)
+        if why is not None:
+            return why
+        # q/k's head dim with some v head dim FA4 pairs it with (v's own is feature_reason's).
+        major, d = _major(q), q.shape[-1]
+        if any(_head_dims_reason(d, dv, major) is None for dv in (d, 128)):
+            return None
+        return _head_dims_reason(d, d, major)
+
+    def reject_varlen_reason(self, seq_lens, window):
+        return fa4_varlen_reason(seq_lens, window)
+
+    # ---- dense blocks: SDPA layout (B, H, L, D) -----------------------------------------------------------
+    # FA4 reads (B, L, H, D) with any strides whose last dim is contiguous and the others multiples of
+    # 16 bytes (flash_attn.cute.cute_dsl_utils.maybe_contiguous; it copies other tensors itself), so
+    # dtcp passes transpose(1, 2) VIEWS of its (B, H, L, D) tensors and of row/key slices of them:
+    # no copies for head dims that are multiples of 8. Outputs come back (B, L, H, D) (out) or in
+    # q/k/v's own strides (dq, dk, dv: empty_like of the views) and are returned as transposed views.
+    def _forward_call(self, fa, q, k, v, call: Fa4Call, scale, softcap, sink):
+        res = fa._flash_attn_fwd(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+            softcap=None if softcap is None else float(softcap),
+            learnable_sink=None if sink is None else sink.to(device=q.device, dtype=torch.float32).contiguous(),
+            return_lse=True, **call.window_args(),
+        )
+        out, lse = res[0], res[1]  # 4.0.0b36 returns (out, lse, p, row_max, o_lo)
+        return out.transpose(1, 2), lse
+
+    def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
+        b, hq, lq, _ = q.shape
+        lk = k.shape[2]
+        call = fa4_call(lq, lk, lo, hi)
+        if call.whole(lq, lk):
+            return self._forward_call(_interface(), q, k, v, call, scale, softcap, sink)
+        out = torch.zeros((b, hq, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = _sink_rows(sink, (b, hq, lq), q.device)
+        if not call.empty:
+            rows, keys = seq_slice(call.r0, call.r1), seq_slice(call.c0, call.c1)
+            o, l = self._forward_call(_interface(), q[rows], k[keys], v[keys], call, scale, softcap, sink)
+            out[rows] = o
+            lse[rows] = l
+        return out, lse
+
+    def _backward_call(self, fa, dout, q, k, v, out, lse, call: Fa4Call, scale, softcap):
+        # FA4 wants q, k, v, out and dout of one dtype, lse float32 (B, H, Lq).
+        out, dout = out.to(q.dtype), dout.to(q.dtype)
+        dq, dk, dv = fa._flash_attn_bwd(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2),
+            lse.to(torch.float32), softmax_scale=scale,
+            softcap=0.0 if softcap is None else float(softcap),  # 0.0 is "off" here (None would be taken as a cap)
+            **call.window_args(),
+        )[:3]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
+        lq, lk = q.shape[2], k.shape[2]
+        call = fa4_call(lq, lk, lo, hi)
+        if call.whole(lq, lk):
+            return self._backward_call(_interface(), dout, q, k, v, out, lse, call, scale, softcap)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if not call.empty:
+            rows, keys = seq_slice(call.r0, call.r1), seq_slice(call.c0, call.c1)
+            grads = self._backward_call(_interface(), dout[rows], q[rows], k[keys], v[keys], out[rows], lse[rows],
+                                        call, scale, softcap)
+            dq[rows], dk[keys], dv[keys] = grads
+        return dq, dk, dv
+
+    # ---- varlen: (T, H, D) rows, one launch -----------------------------------------------------------------
+    def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
+        res = _interface()._flash_attn_fwd(
+            q, k, v, cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, softmax_scale=scale,
+            softcap=None if softcap is None else float(softcap),
+            learnable_sink=None if sink is None else sink.to(device=q.device, dtype=torch.float32).contiguous(),
+            return_lse=True, **fa4_varlen_window(window),
+        )
+        return res[0], res[1]  # out (Tq, Hq, Dv), lse (Hq, Tq) float32
+
+    def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
+        dq, dk, dv = _interface()._flash_attn_bwd(
+            q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32), softmax_scale=scale,
+            softcap=0.0 if softcap is None else float(softcap),
+            cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, **fa4_varlen_window(window),
+        )[:3]
+        return dq, dk, dv
