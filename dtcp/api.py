@@ -13,9 +13,11 @@ from typing import Optional, Union
 import torch
 
 from . import _compat, ops
+import dataclasses
+import time
 import warnings
 
-from ._groups import GroupLike, cp_size_and_rank, group_size, resolve_cp_groups
+from ._groups import GroupLike, cp_size_and_rank, group_rank, group_size, resolve_cp_groups
 from .comm import state_of
 from .exec.route import CallArgs
 from .config import config
@@ -23,7 +25,9 @@ from .exec.calibrate import calibrate as _calibrate
 from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
-from .layouts import DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, check_window, layout_from_spec
+from .layouts import (
+    DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
+)
 from .plan import check_kv_exchange, check_strategy
 
 
@@ -111,7 +115,7 @@ def ring_attention(
     layout = layout_from_spec(layout)
     pg, head_pg = resolve_cp_groups(group)
     n, cp_rank = cp_size_and_rank(group)
-    if kv_exchange is not None:
+    if kv_exchange is not None and not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn)
         warnings.warn("ring_attention(kv_exchange=...) is deprecated: use strategy=... (the same values, and "
                       "'ulysses' and 'hybrid')", DeprecationWarning, stacklevel=2)
     try:
@@ -199,8 +203,9 @@ def flash_attn_varlen_func(
         if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < 1):
             raise TypeError(f"max_seqlen must be a positive int or None; got {max_seqlen!r}")
         if kv_exchange is not None:
-            warnings.warn("flash_attn_varlen_func(kv_exchange=...) is deprecated: use strategy=...",
-                          DeprecationWarning, stacklevel=2)
+            if not torch.compiler.is_compiling():
+                warnings.warn("flash_attn_varlen_func(kv_exchange=...) is deprecated: use strategy=...",
+                              DeprecationWarning, stacklevel=2)
             strategy, kv_exchange = _strategy_from_alias(strategy, kv_exchange), None
     except (ValueError, TypeError) as e:
         for g in resolve_cp_groups(group):
@@ -260,21 +265,61 @@ def explain(
     return "\n".join(lines)
 
 
-def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None, apply: bool = True, **options):
+def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None, apply: bool = True,
+              dtype: torch.dtype = torch.bfloat16, **options):
     """Measure the cost model's constants on this machine (a few seconds; collective: every rank of
     `group` calls it) and, with `apply`, make them dtcp.config.cost_machine, which
     ``strategy="auto"`` and ``dtcp.explain`` use from then on. Measured: a ring transfer, an
-    all-to-all, a tiny all-to-all (latency), a device copy, and the attention kernel
-    ``backend="auto"`` picks at two block lengths (the slowest rank's figures, so every rank
-    decides alike). Returns the `dtcp.plan.Machine`. `options`: dtype, heads, head_dim, seq_len,
-    transfer_bytes, repeats (dtcp/exec/calibrate.py). Routes built before keep their strategy."""
+    all-to-all, a tiny all-to-all (latency), a device copy, every available kernel's rate on a long
+    square causal block, the auto kernel at two block lengths, and each strategy's fixed host cost
+    per call (a small call of each, less what the model predicts for it). The slowest rank's
+    figures are kept, so every rank decides alike. Returns the `dtcp.plan.Machine`. `options`:
+    heads, head_dim, seq_len, transfer_bytes, repeats (dtcp/exec/calibrate.py). Routes built
+    before keep their strategy."""
     pg = resolve_cp_groups(group)[0]
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    machine = _calibrate(pg, device, **options)
+    machine = _calibrate(pg, device, dtype=dtype, **options)
+    n = group_size(pg)
+    if n > 1:
+        machine = dataclasses.replace(machine, fixed_s=_fixed_costs(pg, n, device, dtype, machine))
     if apply:
         config.cost_machine = machine
     return machine
+
+
+def _fixed_costs(pg, n: int, device: torch.device, dtype: torch.dtype, machine) -> tuple:
+    """(strategy, seconds) each strategy's small call takes beyond the model's prediction for it:
+    its host cost (Python, launches, synchronisation) that no byte or flop count shows."""
+    local, heads, head_dim = 512, 8, 64
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, heads, local, head_dim, device=device, dtype=dtype, generator=g) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    layout = Zigzag()
+    args = CallArgs("", layout.spec(), True, default_scale(head_dim), "auto", -1, -1, "auto")
+    with config.override(cost_machine=machine):
+        _, preds = _explain(q, k, v, args, None, n, group_rank(pg), backward=True)
+    predicted = {p.strategy: p.total_s for p in preds}
+    measured = []
+    for strategy in predicted:
+        def step():
+            out = ring_attention(q, k, v, pg, layout=layout, is_causal=True, strategy=strategy)
+            out.backward(dout)
+
+        step()
+        times = []
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        measured.append(max(0.0, sorted(times)[2] - predicted[strategy]))
+    slowest = torch.tensor(measured, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return tuple(zip(predicted, slowest.tolist()))
 
 
 def _strategy_from_alias(strategy: str, kv_exchange: Optional[str]) -> str:

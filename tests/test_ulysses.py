@@ -322,13 +322,20 @@ def calibrated():
     finally:
         dtcp.config.cost_machine = None
     fields = {f: getattr(machine, f) for f in ("p2p_bytes_per_s", "collective_bytes_per_s", "latency_s",
-                                              "kernel_flops_per_s", "kernel_half_block", "call_overhead_s",
+                                              "kernel_flops_per_s", "kernel_half_rows", "call_overhead_s",
                                               "memory_bytes_per_s")}
+    fields["fixed"] = tuple(sorted(dict(machine.fixed_s)))
+    fields["kernels"] = tuple(name for name, _ in machine.kernel_rates)
+    fields["fixed_positive"] = all(math.isfinite(t) and t >= 0 for _, t in machine.fixed_s)
+    fields["rates_positive"] = all(math.isfinite(r) and r > 0 for _, r in machine.kernel_rates)
     return {"fields": fields, "applied": applied, "report": report}
 
 
 def test_calibrate_measures_the_same_constants_on_every_rank():
     results = run_ranks(2, calibrated, timeout=300)
     assert results[0]["fields"] == results[1]["fields"]  # the slowest rank's figures, everywhere
-    assert all(math.isfinite(v) and v > 0 for v in results[0]["fields"].values()), results[0]
+    fields = dict(results[0]["fields"])
+    assert fields.pop("fixed") == ("allgather", "ring", "ulysses") and fields.pop("kernels") == ("cpu_flash",)
+    assert fields.pop("fixed_positive") and fields.pop("rates_positive"), results[0]
+    assert all(math.isfinite(v) and v > 0 for v in fields.values()), results[0]
     assert results[0]["applied"] and results[0]["report"] == results[1]["report"]

@@ -1,6 +1,8 @@
 """`dtcp.calibrate()`: the cost model's constants (dtcp/plan/cost.py `Machine`), measured on the
 machine it runs on, in a few seconds: a ring transfer, an all-to-all, a tiny all-to-all (latency),
-a device copy, and the attention kernel that `backend="auto"` picks at two block lengths. Every
+a device copy, every available kernel on a long square causal block, and the kernel that
+`backend="auto"` picks at two block lengths (the slowdown of short blocks). dtcp.calibrate (api.py)
+then measures each strategy's fixed host cost per call. Every
 rank measures; the constants are the slowest rank's (an all-reduce of the times), so that every
 rank's model, and so every rank's choice of strategy, is the same.
 
@@ -15,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..kernels import select_kernel
+from ..kernels import AUTO_ORDER, KERNELS, select_kernel
 from ..plan import MACHINES, Machine, Task
 
 
@@ -67,40 +69,56 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
     big_copy = torch.empty_like(big)
     t_copy = _timed(lambda: big_copy.copy_(big), device, repeats)
 
-    def kernel_time(q_len: int) -> float:
-        """fwd + bwd of one causal block of q_len queries and seq_len keys (bottom-right aligned)."""
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(1, heads, q_len, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
-        v = torch.randn_like(k)
-        task = Task(0, q_len, 0, seq_len, None, seq_len - q_len)
-        kernel = select_kernel("auto", q, k, [task])
-        scale = head_dim ** -0.5
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn_like(k)
+    scale = head_dim ** -0.5
+
+    def kernel_time(kernel, q_len: int, lo, hi) -> float:
+        """fwd + bwd of one block: q_len queries against seq_len keys, band (lo, hi)."""
+        qq = q[:, :, :q_len]
 
         def step():
-            out, lse = kernel.forward(q, k, v, task.lo, task.hi, scale)
-            kernel.backward(torch.ones_like(out), q, k, v, out, lse, task.lo, task.hi, scale)
+            out, lse = kernel.forward(qq, k, v, lo, hi, scale)
+            kernel.backward(torch.ones_like(out), qq, k, v, out, lse, lo, hi, scale)
 
         return _timed(step, device, repeats)
 
+    # Each kernel's rate on one long square causal block (the schedules' main work); which kernel
+    # serves which schedule is decided per call, so the model needs them all.
+    square = Task(0, seq_len, 0, seq_len, None, 0)
+    causal_flops = 2.0 * heads * (seq_len * (seq_len + 1) / 2) * 2 * head_dim * 3.5
+    names = [name for name in AUTO_ORDER.get(device.type, ()) if name != "math"]
+    rates = []
+    for kernel_name in names:
+        kernel = KERNELS[kernel_name]
+        if kernel.feature_reason(q, v, None, False) or kernel.reject_reason(q, k, [square]):
+            continue
+        try:
+            rates.append((kernel_name, kernel_time(kernel, seq_len, None, 0)))
+        except Exception:  # noqa: BLE001 - a kernel that fails here is not one to rank with
+            continue
+    # The slowdown of short query blocks, with the auto kernel on full (unmasked) blocks.
+    auto = select_kernel("auto", q, k, [Task(0, seq_len, 0, seq_len)])
     long_q, short_q = seq_len, 512
-    t_long, t_short = kernel_time(long_q), kernel_time(short_q)
+    t_long, t_short = kernel_time(auto, long_q, None, None), kernel_time(auto, short_q, None, None)
     q_tiny = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
     tiny_task = Task(0, 64, 0, 64, None, 0)
     tiny_kernel = select_kernel("auto", q_tiny, q_tiny, [tiny_task])
     tiny = _timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
-    t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = _slowest(
-        [t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny], pg, device)
+    measured = _slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates], pg, device)
+    t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = measured[:7]
+    rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, measured[7:])]
 
-    def flops(q_len: int) -> float:  # causal block: q_len rows, each seeing seq_len - q_len + i + 1 keys
-        pairs = q_len * (seq_len - q_len) + q_len * (q_len + 1) / 2
-        return 2.0 * heads * pairs * 2 * head_dim * 3.5
+    def full_flops(q_len: int) -> float:
+        return 2.0 * heads * q_len * seq_len * 2 * head_dim * 3.5
 
-    rate_long, rate_short = flops(long_q) / t_long, flops(short_q) / t_short
-    # rate(q) = peak * q / (q + half): two block lengths give both constants
+    rate_long, rate_short = full_flops(long_q) / t_long, full_flops(short_q) / t_short
+    # rate(q) = peak * q / (q + half): two block lengths give `half` (in rows of `heads` heads)
     ratio = rate_long / rate_short
     half = max(1.0, (ratio - 1) * short_q * long_q / max(1.0, long_q - ratio * short_q)) if ratio > 1 else 1.0
-    peak = rate_long * (long_q + half) / long_q
+    peak = dict(rates).get(auto.name, rate_long * (long_q + half) / long_q)
     base = MACHINES["h200-nvlink"]
     return Machine(
         name=name or f"calibrated {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} x{n}",
@@ -108,7 +126,8 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         collective_bytes_per_s=(a2a_in.numel() * (n - 1) / n) / t_a2a if n > 1 else base.collective_bytes_per_s,
         latency_s=t_small,
         kernel_flops_per_s=peak,
-        kernel_half_block=int(half),
+        kernel_half_rows=int(half * heads),
         call_overhead_s=tiny,
         memory_bytes_per_s=2 * big.numel() / t_copy,
+        kernel_rates=tuple(rates),
     )

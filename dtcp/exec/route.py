@@ -347,46 +347,62 @@ def explain(q, k, v, args: CallArgs, cu_values, world_size: int, rank: int, head
 
 
 def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True) -> list[Prediction]:
-    """The cost model's predictions for the strategies this call allows, fastest first."""
+    """The cost model's predictions for the strategies this call allows, fastest first. Each
+    strategy's schedule is built as `_build` would (no communication) to count its visible pairs
+    and kernel calls and to know which kernel serves it (kernels differ in speed, and not every
+    kernel serves every schedule)."""
     n, local_len = problem.world_size, q.shape[2]
-    allowed = ["ring"]
-    if allgather_reason(problem.layout, local_len, n) is None:
-        allowed.append("allgather")
-    try:
-        head_splits(q.shape[1], k.shape[1], n, "ulysses")
-        allowed.append("ulysses")
-    except ValueError:
-        pass
+    kernels, calls = {}, {}
+    for strategy in ("ring", "allgather", "ulysses"):
+        try:
+            if strategy == "ulysses":
+                head_splits(q.shape[1], k.shape[1], n, "ulysses")
+                _, _, plan, kernel = _heads_route("ulysses", q, k, v, args, problem, False)
+            else:
+                if strategy == "allgather" and allgather_reason(problem.layout, local_len, n) is not None:
+                    continue
+                plan, kernel = _plan_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments, n,
+                                                problem.cp_rank, False)
+        except ValueError:
+            continue
+        kernels[strategy], calls[strategy] = kernel.name, _kernel_calls(plan, kernel)
+    allowed = list(kernels)
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in dict.fromkeys(problem.row_segments)}
     rows = list(problem.row_segments)
-
     batch = len(rows)
 
-    def per_row(build) -> tuple[float, int, int, float]:
-        """(slowest rank's pairs per row, all ranks' pairs per row, kernel calls per row, mean
-        query block) of one schedule, averaged over the batch rows."""
-        per_rank, calls, q_lens, tasks = [0] * n, 0, 0, 0
+    def per_row(build) -> tuple[float, float, float]:
+        """(slowest rank's pairs per row, all ranks' pairs per row, mean query block) of one
+        schedule, averaged over the batch rows."""
+        per_rank, q_lens, tasks = [0] * n, 0, 0
         for seg in rows:
             plans = build(problem.layout, local_len, n, args.is_causal, masks[seg])
             for rr, plan in enumerate(plans):
                 per_rank[rr] += plan_pairs(plan.tasks)
-            calls += len(plans[0].tasks)
             q_lens += sum(t.q_len for t in plans[0].tasks)
             tasks += len(plans[0].tasks)
-        return max(per_rank) / batch, sum(per_rank) / batch, calls, q_lens / max(1, tasks)
+        return max(per_rank) / batch, sum(per_rank) / batch, q_lens / max(1, tasks)
 
-    ring_pairs, total_pairs, ring_calls, ring_q_block = per_row(ring_plans)
+    ring_pairs, total_pairs, ring_q_block = per_row(ring_plans)
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
-    ag_pairs, ag_calls = ring_pairs, batch
-    if "allgather" in allowed:
-        ag_pairs, _, ag_calls, _ = per_row(allgather_plans)
+    ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
-                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_calls=ring_calls,
-                      ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs, allgather_calls=ag_calls,
-                      total_pairs=total_pairs)
+                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_calls=calls.get("ring", 1),
+                      ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs,
+                      allgather_calls=calls.get("allgather", 1), total_pairs=total_pairs,
+                      ulysses_calls=calls.get("ulysses", 1), kernels=tuple(kernels.items()))
     machine = machine_for(q.device.type, config.cost_machine)
     return rank_strategies(allowed, shape, machine)
+
+
+def _kernel_calls(plan, kernel: Kernel) -> int:
+    """Kernel calls of one rank's plan (a varlen plan is one launch where the kernel makes it one)."""
+    if isinstance(plan, tuple):
+        return sum(_kernel_calls(p, kernel) for p in plan)
+    if isinstance(plan, VarlenPlan):
+        return 1 if kernel.varlen_one_launch else len(plan.seq_lens)
+    return len(plan.tasks) if hasattr(plan, "tasks") else sum(len(step.tasks) for step in plan.steps)
 
 
 def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool):

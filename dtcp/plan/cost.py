@@ -5,9 +5,12 @@ kernel time at measured rates, and what overlaps with what. Pure Python over num
 Per rank, with B batch rows, Hq/Hkv heads, head dims D (q, k) and Dv (v), L local tokens of N
 ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves visible:
 
-* kernel time = 2 * B * heads * pairs * (D + Dv) flops (x 3.5 with the backward) at
-  `kernel_flops_per_s`, slowed for short query blocks (rate * q / (q + `kernel_half_block`)), plus
-  `call_overhead_s` per kernel call;
+* kernel time = 2 * B * heads * pairs * (D + Dv) flops (x 3.5 with the backward) at the rate of
+  the kernel that serves the strategy's schedule (`kernel_rates`: cuDNN takes only full and square
+  causal blocks, so a schedule of bands or of L x S blocks runs on another kernel), slowed for
+  small blocks (rate * r / (r + `kernel_half_rows`), r = query rows x heads x batch: the
+  kernel's grid, which a short block with few heads does not fill), plus `call_overhead_s` per kernel
+  call (three with the backward: forward, backward and the merge);
 * **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * L * (D + Dv) * e bytes; in
   the backward K/V plus float32 dK/dV) with one block's kernels; the slowest rank's pairs set the
   step (contiguous causal is unbalanced, zigzag is not);
@@ -18,7 +21,10 @@ ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves v
   the backward dout goes out and dq, dk, dv come back (the forward's exchanged tensors are kept);
 * **hybrid** (U x R mesh): Ulysses over U, then the ring over R groups of U * L tokens.
 
-Copies that reorder tokens or heads are charged at `memory_bytes_per_s`. The constants of a
+Copies that reorder tokens or heads are charged at `memory_bytes_per_s`, and each strategy's host
+cost per call (`fixed_s`, measured by dtcp.calibrate on a small call) is added: on 2 H200s the
+measured times of short calls were the sum of the two, not the larger (the calls do not hide their
+host time behind their device time). The constants of a
 machine are a `Machine`: `MACHINES` has measured defaults; `dtcp.calibrate()` measures the one it
 runs on. The model ranks strategies; it is checked against measurements by
 benchmarks/bench_strategies.py (docs/strategies.md).
@@ -44,21 +50,33 @@ class Machine:
     collective_bytes_per_s: float  # all-gather / reduce-scatter / all-to-all, bytes each rank sends per second
     latency_s: float  # per transfer or collective
     kernel_flops_per_s: float  # attention kernel on long blocks (fwd+bwd average)
-    kernel_half_block: int  # query block length that runs at half that rate
+    kernel_half_rows: int  # query rows x heads x batch of a call that runs at half that rate
     call_overhead_s: float  # host time per kernel call
     memory_bytes_per_s: float  # device memory, for reordering copies (read + write counted)
+    kernel_rates: tuple = ()  # (kernel name, fwd+bwd flops/s on long square causal blocks), where known
+    fixed_s: tuple = ()  # (strategy, host seconds per call beyond its kernels and transfers)
+
+    def rate_of(self, kernel: Optional[str]) -> float:
+        return dict(self.kernel_rates).get(kernel, self.kernel_flops_per_s)
+
+    def fixed_of(self, strategy: str) -> float:
+        return dict(self.fixed_s).get(strategy, 0.0)
 
 
 MACHINES: dict[str, Machine] = {
     # One H200 on NVLink, torch 2.11: ring transfers ~295 GB/s per direction, cuDNN/FA4 ~540-600
     # TFLOPs fwd+bwd at long blocks (../shared/FACTS.md figures, re-measured by bench_strategies.py).
     "h200-nvlink": Machine("h200-nvlink", p2p_bytes_per_s=295e9, collective_bytes_per_s=280e9, latency_s=25e-6,
-                           kernel_flops_per_s=540e12, kernel_half_block=384, call_overhead_s=25e-6,
-                           memory_bytes_per_s=3.5e12),
+                           kernel_flops_per_s=540e12, kernel_half_rows=12288, call_overhead_s=25e-6,
+                           memory_bytes_per_s=3.5e12,
+                           kernel_rates=(("fa4", 600e12), ("cudnn", 540e12), ("flash", 320e12), ("flex", 330e12),
+                                         ("fa2", 320e12), ("math", 40e12))),
     # Across nodes, per GPU: 400 Gb/s InfiniBand (50 GB/s), a few microseconds more per message.
     "h200-infiniband": Machine("h200-infiniband", p2p_bytes_per_s=45e9, collective_bytes_per_s=40e9, latency_s=40e-6,
-                               kernel_flops_per_s=540e12, kernel_half_block=384, call_overhead_s=25e-6,
-                               memory_bytes_per_s=3.5e12),
+                               kernel_flops_per_s=540e12, kernel_half_rows=12288, call_overhead_s=25e-6,
+                               memory_bytes_per_s=3.5e12,
+                               kernel_rates=(("fa4", 600e12), ("cudnn", 540e12), ("flash", 320e12),
+                                             ("flex", 330e12), ("fa2", 320e12), ("math", 40e12))),
 }
 
 
@@ -84,10 +102,16 @@ class CallShape:
     allgather_pairs: float = 0
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
+    ulysses_calls: int = 1  # kernel calls after the head exchange (one per document without a varlen kernel)
     ulysses_degree: int = 0  # U of a hybrid mesh (0: 1-D group)
     hybrid_pairs: int = 0  # the slowest head group's visible pairs over its U * L tokens
     hybrid_rounds: int = 0
     hybrid_calls: int = 1
+    # the kernel each strategy's schedule runs on (its rate: Machine.kernel_rates); None: the default
+    kernels: tuple = ()  # (strategy, kernel name)
+
+    def kernel_of(self, strategy: str) -> Optional[str]:
+        return dict(self.kernels).get(strategy)
 
 
 @dataclass(frozen=True)
@@ -129,9 +153,14 @@ def plan_pairs(tasks) -> int:
     return sum(task_pairs(t) for t in tasks)
 
 
-def _kernel_s(machine: Machine, flops: float, q_block: int, calls: int) -> float:
-    rate = machine.kernel_flops_per_s * q_block / (q_block + machine.kernel_half_block) if q_block > 0 else 1.0
-    return flops / rate + calls * machine.call_overhead_s
+def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: Optional[str] = None,
+              backward: bool = True) -> float:
+    """Kernel time of `flops` in calls of `rows` query rows x heads x batch each."""
+    peak = machine.rate_of(kernel)
+    rate = peak * rows / (rows + machine.kernel_half_rows) if rows > 0 else 1.0
+    # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
+    # is the larger (many small calls: documents, short sequences).
+    return max(flops / rate, calls * machine.call_overhead_s * (3 if backward else 1.5))
 
 
 def _flops(shape: CallShape, heads: float, pairs: float) -> float:
@@ -140,9 +169,10 @@ def _flops(shape: CallShape, heads: float, pairs: float) -> float:
 
 
 def _ring(machine: Machine, shape: CallShape, kv_heads: int, local_len: int, heads: float, pairs: int, rounds: int,
-          calls: int, q_block: int) -> tuple[float, float, float]:
+          calls: int, q_block: int, kernel_name: Optional[str] = None) -> tuple[float, float, float]:
     """(total, kernel, comm, exposed) of a ring over `rounds` steps."""
-    kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block, calls)
+    kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
+                       shape.backward)
     kv = shape.batch * kv_heads * local_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
@@ -151,9 +181,13 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, local_len: int, hea
         return total, kernel, rounds * t_fwd, total - kernel
     fwd_share = 1.0 / 3.5
     c_f, c_b = per_step * fwd_share, per_step * (1 - fwd_share)
-    t_bwd = machine.latency_s + kv * (shape.elem_bytes + 4) / machine.p2p_bytes_per_s  # K/V + fp32 dK/dV
-    total = c_f + rounds * max(c_f, t_fwd) + c_b + rounds * max(c_b, t_bwd) + (t_bwd if rounds else 0.0)
-    comm = rounds * (t_fwd + t_bwd) + (t_bwd if rounds else 0.0)
+    # Backward: round i brings a K/V block (as in the forward) while the float32 dK/dV of the
+    # block before travel back to their owner; the last block's dK/dV return after the last step.
+    t_dkv = machine.latency_s + kv * 4 / machine.p2p_bytes_per_s
+    total = c_f + rounds * max(c_f, t_fwd) + c_b
+    if rounds:
+        total += max(c_b, t_fwd) + (rounds - 1) * max(c_b, t_fwd + t_dkv) + t_dkv
+    comm = 2 * rounds * t_fwd + rounds * t_dkv
     return total, kernel, comm, total - kernel
 
 
@@ -166,18 +200,20 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
     if strategy == "ring":
         total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, shape.local_len, shape.q_heads,
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
-                                             shape.ring_q_block or shape.local_len)
-        return Prediction("ring", total, kernel, comm, exposed)
+                                             shape.ring_q_block or shape.local_len, shape.kernel_of("ring"))
+        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed)
     if strategy == "allgather":
-        kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs), shape.local_len,
-                           shape.allgather_calls)
+        kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs),
+                           shape.local_len * shape.q_heads * b, shape.allgather_calls, shape.kernel_of("allgather"),
+                           shape.backward)
         kv = b * shape.kv_heads * shape.local_len * (d + dv)
         comm = machine.latency_s + (n - 1) * kv * e / machine.collective_bytes_per_s
-        copies = 2 * n * kv * e / machine.memory_bytes_per_s  # the gathered K/V written, then read in order
+        copies = 2 * n * kv * e / machine.memory_bytes_per_s  # the gathered K/V put in global order (one copy)
         if shape.backward:
             comm += machine.latency_s + (n - 1) * kv * 4 / machine.collective_bytes_per_s
-            copies += 2 * n * kv * 4 / machine.memory_bytes_per_s
-        return Prediction("allgather", kernel + comm + copies, kernel, comm, comm + copies)
+            copies += 2 * n * kv * 4 / machine.memory_bytes_per_s  # float32 dK/dV summed into the send buffer
+        fixed = machine.fixed_of("allgather")
+        return Prediction("allgather", kernel + comm + copies + fixed, kernel, comm, comm + copies)
     if strategy in HEAD_STRATEGIES:
         u = n if strategy == "ulysses" else shape.ulysses_degree
         if u < 1 or n % u:
@@ -194,19 +230,24 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
             bytes_moved += b * l_len * (shape.q_heads * d * e + kv_heads_sent * (d + dv) * grad_kv_bytes)
         rounds = 4 if shape.backward else 2
         comm = rounds * machine.latency_s + share * bytes_moved / machine.collective_bytes_per_s
-        copies = 2 * bytes_moved / machine.memory_bytes_per_s  # packed into, and unpacked from, the exchange
+        # each byte is copied twice (packed into the send buffer, unpacked into place), and a copy
+        # of X bytes reads and writes: 2X at memory_bytes_per_s (which counts both)
+        copies = 4 * bytes_moved / machine.memory_bytes_per_s
         if strategy == "ulysses":
-            kernel = _kernel_s(machine, _flops(shape, shape.q_heads / u, shape.total_pairs), n * l_len, 1)
-            return Prediction("ulysses", kernel + comm + copies, kernel, comm, comm + copies)
+            kernel = _kernel_s(machine, _flops(shape, shape.q_heads / u, shape.total_pairs),
+                               n * l_len * shape.q_heads / u * b / shape.ulysses_calls, shape.ulysses_calls,
+                               shape.kernel_of("ulysses"), shape.backward)
+            fixed = machine.fixed_of("ulysses")
+            return Prediction("ulysses", kernel + comm + copies + fixed, kernel, comm, comm + copies)
         r = n // u
         across = machine if outer is None else replace(outer, kernel_flops_per_s=machine.kernel_flops_per_s,
-                                                       kernel_half_block=machine.kernel_half_block,
+                                                       kernel_half_rows=machine.kernel_half_rows,
                                                        call_overhead_s=machine.call_overhead_s)
         ring_total, kernel, ring_comm, ring_exposed = _ring(
             across, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
-            shape.hybrid_rounds, shape.hybrid_calls, u * l_len)
+            shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))
         note = f"ulysses {u} x ring {r}"
-        return Prediction("hybrid", ring_total + comm + copies, kernel, comm + ring_comm,
+        return Prediction("hybrid", ring_total + comm + copies + machine.fixed_of("hybrid"), kernel, comm + ring_comm,
                           comm + copies + ring_exposed, note)
     raise ValueError(f"predict: unknown strategy {strategy!r}")
 
