@@ -14,7 +14,6 @@ import torch
 
 from . import _compat, ops
 import dataclasses
-import time
 import warnings
 
 from ._groups import GroupLike, cp_size_and_rank, group_rank, group_size, resolve_cp_groups
@@ -22,6 +21,7 @@ from .comm import state_of
 from .exec.route import CallArgs
 from .config import config
 from .exec.calibrate import calibrate as _calibrate
+from .exec.calibrate import slowest, timed
 from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
@@ -306,20 +306,8 @@ def _fixed_costs(pg, n: int, device: torch.device, dtype: torch.dtype, machine) 
             out = ring_attention(q, k, v, pg, layout=layout, is_causal=True, strategy=strategy)
             out.backward(dout)
 
-        step()
-        times = []
-        for _ in range(5):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        measured.append(max(0.0, sorted(times)[2] - predicted[strategy]))
-    slowest = torch.tensor(measured, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX, group=pg)
-    return tuple(zip(predicted, slowest.tolist()))
+        measured.append(max(0.0, timed(step, device, 5) - predicted[strategy]))
+    return tuple(zip(predicted, slowest(measured, pg, device)))
 
 
 def _strategy_from_alias(strategy: str, kv_exchange: Optional[str]) -> str:

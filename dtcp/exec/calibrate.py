@@ -21,7 +21,7 @@ from ..kernels import AUTO_ORDER, KERNELS, select_kernel
 from ..plan import MACHINES, Machine, Task
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
+def timed(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats` runs, after one warm-up."""
     fn()
     times = []
@@ -36,7 +36,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _slowest(values: list[float], pg, device: torch.device) -> list[float]:
+def slowest(values: list[float], pg, device: torch.device) -> list[float]:
     """Element-wise max over the group's ranks (every rank gets the same numbers)."""
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
@@ -58,16 +58,16 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         for w in works:
             w.wait()
 
-    t_p2p = _timed(ring_step, device, repeats) if n > 1 else 1.0
+    t_p2p = timed(ring_step, device, repeats) if n > 1 else 1.0
     a2a_in = torch.empty(transfer_bytes // n * n, dtype=torch.uint8, device=device)
     a2a_out = torch.empty_like(a2a_in)
-    t_a2a = _timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=pg), device, repeats) if n > 1 else 1.0
+    t_a2a = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=pg), device, repeats) if n > 1 else 1.0
     small_in = torch.empty(4096 * n, dtype=torch.uint8, device=device)
     small_out = torch.empty_like(small_in)
-    t_small = _timed(lambda: dist.all_to_all_single(small_out, small_in, group=pg), device, repeats) if n > 1 else 0.0
+    t_small = timed(lambda: dist.all_to_all_single(small_out, small_in, group=pg), device, repeats) if n > 1 else 0.0
     big = torch.empty(transfer_bytes * 4, dtype=torch.uint8, device=device)
     big_copy = torch.empty_like(big)
-    t_copy = _timed(lambda: big_copy.copy_(big), device, repeats)
+    t_copy = timed(lambda: big_copy.copy_(big), device, repeats)
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
@@ -83,7 +83,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
             out, lse = kernel.forward(qq, k, v, lo, hi, scale)
             kernel.backward(torch.ones_like(out), qq, k, v, out, lse, lo, hi, scale)
 
-        return _timed(step, device, repeats)
+        return timed(step, device, repeats)
 
     # Each kernel's rate on one long square causal block (the schedules' main work); which kernel
     # serves which schedule is decided per call, so the model needs them all.
@@ -106,8 +106,8 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
     q_tiny = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
     tiny_task = Task(0, 64, 0, 64, None, 0)
     tiny_kernel = select_kernel("auto", q_tiny, q_tiny, [tiny_task])
-    tiny = _timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
-    measured = _slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates], pg, device)
+    tiny = timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
+    measured = slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates], pg, device)
     t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = measured[:7]
     rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, measured[7:])]
 
