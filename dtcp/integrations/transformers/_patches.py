@@ -1,0 +1,59 @@
+"""The transformers internals dtcp's integration relies on, each with the release it was checked on.
+
+Checked on transformers 5.23.0 with torch 2.13.0+cpu. Nothing in transformers is monkeypatched;
+the integration registers an attention function and a mask function under the name "dtcp" and
+relies on these behaviours (tests/test_transformers.py checks each of them):
+
+* ``AttentionInterface.register(name, fn)`` / ``AttentionMaskInterface.register(name, fn)``
+  (``modeling_utils.py``, ``masking_utils.py``): class-level registries every model consults;
+  the mask preprocessing reads ``AttentionMaskInterface._global_mapping`` (masking_utils.py,
+  ``_preprocess_mask_arguments``), so the mask function is registered with the classmethod.
+* Each decoder model calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+  eager_attention_forward)(module, q, k, v, attention_mask, dropout=, scaling=, [sliding_window=,
+  softcap=, s_aux=,] **kwargs)`` with q (B, Hq, S, D), k/v (B, Hkv, S, D) after RoPE, and
+  reshapes the returned (B, S, Hq, Dv) output; ``**kwargs`` carries what the model was called
+  with (``cu_seq_lens_q``, ``shift_labels``, ``num_items_in_batch``, ``position_ids``).
+* ``sliding_window=W`` means key j is visible to query i when ``i - W < j <= i``
+  (masking_utils.sliding_window_overlay + causal_mask_function): dtcp's ``window_size=(W-1, 0)``.
+* ``ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+  shift_labels=None)`` (loss/loss_utils.py) uses ``shift_labels`` as they are when given (no
+  shift inside the shard) and divides the summed loss by ``num_items_in_batch`` when given.
+  The model computes the loss only when ``labels`` is not None.
+* ``find_packed_sequence_indices`` (masking_utils.py): a new document starts wherever
+  ``position_ids`` do not step by +1; the block uses the same rule on the full position ids.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+SUPPORTED = ">=5.23,<5.24"
+_LOW, _HIGH = (5, 23), (5, 24)
+
+
+def _release(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:
+            break
+    return tuple(parts)
+
+
+def check_transformers_version() -> None:
+    """Raise ImportError naming the fix when transformers is missing or outside the tested range."""
+    try:
+        found = version("transformers")
+    except PackageNotFoundError:
+        raise ImportError(
+            'dtcp.integrations.transformers needs transformers: pip install "dtcp[transformers]" '
+            f"(transformers{SUPPORTED})"
+        ) from None
+    if not _LOW <= _release(found)[:2] < _HIGH:
+        raise ImportError(
+            f"dtcp.integrations.transformers is tested with transformers{SUPPORTED}; found {found}. "
+            f'Install a tested release: pip install "dtcp[transformers]"'
+        )
