@@ -221,7 +221,11 @@ class _AttentionEager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        gathered_kv, ctx.gathered_kv = ctx.gathered_kv, None  # released as soon as it is used
+        gathered_kv = ctx.gathered_kv
+        if ctx.route.heads is None:
+            ctx.gathered_kv = None  # released as soon as it is used (the saved q, k, v can gather again)
+        # (a head exchange's kept tensors stand in for the saved q, k, v, out, lse: they live as
+        # long as the graph, so that a second backward with retain_graph=True works too)
         dq, dk, dv, dsinks = run_backward(ctx.route, dout, q, k, v, out, lse, ctx.scale, gathered_kv=gathered_kv,
                                           sinks=sinks)
         return dq, dk, dv, dsinks, None, None

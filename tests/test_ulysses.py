@@ -339,3 +339,21 @@ def test_calibrate_measures_the_same_constants_on_every_rank():
     assert fields.pop("fixed_positive") and fields.pop("rates_positive"), results[0]
     assert all(math.isfinite(v) and v > 0 for v in fields.values()), results[0]
     assert results[0]["applied"] and results[0]["report"] == results[1]["report"]
+
+
+def ulysses_backward_twice():
+    """retain_graph=True and a second backward: the kept head-sharded tensors are still there
+    (gradients accumulate to exactly twice the first)."""
+    n = dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 8, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, enable_gqa=True, strategy="ulysses")
+    out.sum().backward(retain_graph=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    out.sum().backward()
+    return max((t.grad - 2 * f).abs().max().item() for t, f in zip((q, k, v), first)), n
+
+
+def test_ulysses_backward_twice_with_retain_graph():
+    for err, _ in run_ranks(2, ulysses_backward_twice):
+        assert err < 1e-12, err
