@@ -16,7 +16,7 @@ import torch.distributed as dist
 import dtcp
 from dist_harness import run_ranks
 from dtcp.kernels import KERNELS
-from dtcp.kernels.math import MathKernel
+from faults import FailingKernel
 from reference import reference_attention, rel_err
 
 T = 3.0  # dtcp.config.timeout_s in these tests
@@ -128,22 +128,6 @@ def test_bad_argument_on_one_rank():
 
 
 # ---- one rank fails inside the ring ---------------------------------------------------------------------
-class FailingKernel(MathKernel):
-    """The math kernel, except that on `rank` its `at`-th forward call raises (an OOM, a kernel
-    error: anything inside the op after the ring has started)."""
-
-    name = "test_failing"
-
-    def __init__(self, rank: int, at: int):
-        self.rank, self.at, self.calls = rank, at, 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        if dist.get_rank() == self.rank and self.calls == self.at:
-            raise RuntimeError("CUDA out of memory (injected by the test)")
-        return super().forward(*args, **kwargs)
-
-
 def one_rank_fails_mid_ring(failing_rank: int, at: int):
     n = dist.get_world_size()
     KERNELS["test_failing"] = FailingKernel(failing_rank, at)

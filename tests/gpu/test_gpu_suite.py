@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 import dtcp
 from dist_harness import run_in_fresh_pool, run_ranks
+from faults import FailingKernel
 from dtcp.kernels import KERNELS
 from dtcp.kernels.fa4 import fa4_interface
-from dtcp.kernels.math import MathKernel
 
 WORLD = 2
 
@@ -98,7 +98,7 @@ def stress(steps: int, seed: int):
             for backend in (fast, "math"):
                 leaves = [t.clone().requires_grad_() for t in local[:3]]
                 out = dtcp.ring_attention(*leaves, layout=lay, is_causal=causal, enable_gqa=hq != hkv,
-                                          window_size=window, backend=backend, kv_exchange="ring")
+                                          window_size=window, backend=backend, strategy="ring")
                 out.backward(local[3])
                 results[backend] = [out.detach()] + [t.grad for t in leaves]
         except ValueError as e:  # flash cannot serve this window's blocks (every rank raises alike)
@@ -128,21 +128,6 @@ def test_copy_engine_stress_200_steps():
 
 
 # ---- failure injection -------------------------------------------------------------------------------
-class FailingKernel(MathKernel):
-    """The math kernel, raising on `rank` at its `at`-th forward call (after the ring has started)."""
-
-    name = "test_failing"
-
-    def __init__(self, rank: int, at: int):
-        self.rank, self.at, self.calls = rank, at, 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        if dist.get_rank() == self.rank and self.calls == self.at:
-            raise RuntimeError("injected failure")
-        return super().forward(*args, **kwargs)
-
-
 def inject(kind: str, transport: str, timeout_s: float):
     """kind "raise": the last rank raises inside the ring; kind "stall": the last rank never makes
     a call whose route every rank has already agreed on (its peers' GPUs wait for its data)."""
@@ -155,7 +140,7 @@ def inject(kind: str, transport: str, timeout_s: float):
         q, k, v = (torch.randn(1, h, 4096, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
                    for h in (8, 2, 2))
         out = dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, backend="test_failing",
-                                  kv_exchange="ring")
+                                  strategy="ring")
         if backward:
             out.sum().backward()
         torch.cuda.synchronize()
