@@ -132,7 +132,7 @@ class Route:
 
 
 def _aligned_nbytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int:
-    size = t.numel() * (t.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+    size = t.numel() * (dtype or t.dtype).itemsize
     return (size + 255) // 256 * 256
 
 
@@ -392,7 +392,7 @@ def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = Tru
                       ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs,
                       allgather_calls=calls.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=calls.get("ulysses", 1), kernels=tuple(kernels.items()))
-    machine = machine_for(q.device.type, config.cost_machine)
+    machine = machine_for(config.cost_machine)
     return rank_strategies(allowed, shape, machine)
 
 

@@ -32,12 +32,11 @@ benchmarks/bench_strategies.py (docs/strategies.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .mask import Task
 
-SEQUENCE_STRATEGIES = ("ring", "allgather")  # K/V move; every rank keeps its tokens and all heads
 HEAD_STRATEGIES = ("ulysses", "hybrid")  # heads are exchanged for tokens first
 
 
@@ -63,20 +62,19 @@ class Machine:
         return dict(self.fixed_s).get(strategy, 0.0)
 
 
+# One H200 on NVLink, torch 2.11: ring transfers ~295 GB/s per direction, cuDNN/FA4 ~540-600
+# TFLOPs fwd+bwd at long blocks (../shared/FACTS.md figures, re-measured by bench_strategies.py).
+_H200_NVLINK = Machine("h200-nvlink", p2p_bytes_per_s=295e9, collective_bytes_per_s=280e9, latency_s=25e-6,
+                       kernel_flops_per_s=540e12, kernel_half_rows=12288, call_overhead_s=25e-6,
+                       memory_bytes_per_s=3.5e12,
+                       kernel_rates=(("fa4", 600e12), ("cudnn", 540e12), ("flash", 320e12), ("flex", 330e12),
+                                     ("fa2", 320e12), ("math", 40e12)))
 MACHINES: dict[str, Machine] = {
-    # One H200 on NVLink, torch 2.11: ring transfers ~295 GB/s per direction, cuDNN/FA4 ~540-600
-    # TFLOPs fwd+bwd at long blocks (../shared/FACTS.md figures, re-measured by bench_strategies.py).
-    "h200-nvlink": Machine("h200-nvlink", p2p_bytes_per_s=295e9, collective_bytes_per_s=280e9, latency_s=25e-6,
-                           kernel_flops_per_s=540e12, kernel_half_rows=12288, call_overhead_s=25e-6,
-                           memory_bytes_per_s=3.5e12,
-                           kernel_rates=(("fa4", 600e12), ("cudnn", 540e12), ("flash", 320e12), ("flex", 330e12),
-                                         ("fa2", 320e12), ("math", 40e12))),
-    # Across nodes, per GPU: 400 Gb/s InfiniBand (50 GB/s), a few microseconds more per message.
-    "h200-infiniband": Machine("h200-infiniband", p2p_bytes_per_s=45e9, collective_bytes_per_s=40e9, latency_s=40e-6,
-                               kernel_flops_per_s=540e12, kernel_half_rows=12288, call_overhead_s=25e-6,
-                               memory_bytes_per_s=3.5e12,
-                               kernel_rates=(("fa4", 600e12), ("cudnn", 540e12), ("flash", 320e12),
-                                             ("flex", 330e12), ("fa2", 320e12), ("math", 40e12))),
+    "h200-nvlink": _H200_NVLINK,
+    # The same GPUs across nodes, per GPU: 400 Gb/s InfiniBand (50 GB/s), a few microseconds more
+    # per message.
+    "h200-infiniband": replace(_H200_NVLINK, name="h200-infiniband", p2p_bytes_per_s=45e9,
+                               collective_bytes_per_s=40e9, latency_s=40e-6),
 }
 
 
@@ -122,7 +120,6 @@ class Prediction:
     comm_s: float  # all communication time
     exposed_comm_s: float  # the part no kernel hides
     note: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
 
 
 def task_pairs(task: Task) -> int:
@@ -240,9 +237,10 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
             fixed = machine.fixed_of("ulysses")
             return Prediction("ulysses", kernel + comm + copies + fixed, kernel, comm, comm + copies)
         r = n // u
-        across = machine if outer is None else replace(outer, kernel_flops_per_s=machine.kernel_flops_per_s,
-                                                       kernel_half_rows=machine.kernel_half_rows,
-                                                       call_overhead_s=machine.call_overhead_s)
+        # the links of `outer`, everything else (kernels, host, memory) of `machine`
+        across = machine if outer is None else replace(machine, p2p_bytes_per_s=outer.p2p_bytes_per_s,
+                                                       collective_bytes_per_s=outer.collective_bytes_per_s,
+                                                       latency_s=outer.latency_s)
         ring_total, kernel, ring_comm, ring_exposed = _ring(
             across, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
             shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))
@@ -258,11 +256,7 @@ def rank(strategies, shape: CallShape, machine: Machine) -> list[Prediction]:
     return sorted(preds, key=lambda p: p.total_s)
 
 
-def with_constants(machine: Machine, **changes) -> Machine:
-    return replace(machine, **changes)
-
-
-def machine_for(device_type: str, override: Optional[Machine]) -> Machine:
+def machine_for(override: Optional[Machine]) -> Machine:
     """The constants in force: `dtcp.config.cost_machine` (set by dtcp.calibrate() or by hand),
     else the shipped H200 NVLink figures."""
     return override if override is not None else MACHINES["h200-nvlink"]
