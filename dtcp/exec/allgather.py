@@ -36,7 +36,7 @@ from ..kernels.base import seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
 
 
-def _bounded_put(cache: dict, key, value, limit: int = 64):
+def bounded_put(cache: dict, key, value, limit: int = 64):
     if len(cache) >= limit:
         cache.clear()
     cache[key] = value
@@ -62,7 +62,7 @@ def _orders(plan: AllGatherPlan, device: torch.device) -> tuple[Optional[torch.T
             to_global = torch.cat([p * p_len + tokens for p in plan.global_order])
             to_rank_major = torch.cat([j * p_len + tokens for j in plan.rank_major_positions])
             cached = (to_global.to(device), to_rank_major.to(device))
-        _bounded_put(_ORDERS, key, cached)
+        bounded_put(_ORDERS, key, cached)
     return cached
 
 
@@ -202,7 +202,7 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
     seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), cu[0], cu[1], max_q, max_k)
     packing = _Packing(seqs, torch.cat(key_rank).to(device), torch.cat(key_row).to(device))
-    _bounded_put(_PACKINGS, key, (plan, packing))
+    bounded_put(_PACKINGS, key, (plan, packing))
     return packing
 
 

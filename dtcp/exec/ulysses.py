@@ -15,12 +15,14 @@ reordering is in the same copy).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
 
 from ..comm.collectives import all_to_all_bytes
 from ..plan.ulysses import HeadSplit, UlyssesPlan
+from .allgather import bounded_put
 
 _ALIGN = 16
 _INDEXED_PIECES = 32  # more pieces than this (striped layouts): one indexed copy instead of one per piece
@@ -35,19 +37,13 @@ def _layout(parts: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[
     offsets, row = [], 0
     for shape, dtype in parts:
         offsets.append(row)
-        numel = 1
-        for s in shape:
-            numel *= s
-        row += _aligned(numel * torch.empty((), dtype=dtype).element_size())
+        row += _aligned(math.prod(shape) * dtype.itemsize)
     return offsets, row
 
 
 def _part(buffer: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """View of one part across all rows of a (U, row) uint8 buffer: (U, *shape) in `dtype`."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     return buffer[:, offset:offset + size].view(dtype).view((buffer.shape[0],) + tuple(shape))
 
 
@@ -65,11 +61,7 @@ _INDEX_CACHE: dict = {}
 def _cached_index(plan: UlyssesPlan, device: torch.device) -> torch.Tensor:
     key = (plan.pieces, plan.local_len, plan.world_size, device)
     index = _INDEX_CACHE.get(key)
-    if index is None:
-        if len(_INDEX_CACHE) >= 64:
-            _INDEX_CACHE.clear()
-        index = _INDEX_CACHE[key] = _token_index(plan, device)
-    return index
+    return index if index is not None else bounded_put(_INDEX_CACHE, key, _token_index(plan, device))
 
 
 def _copy_head_split(dest: torch.Tensor, x: torch.Tensor, split: HeadSplit) -> None:

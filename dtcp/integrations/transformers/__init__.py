@@ -62,6 +62,7 @@ from transformers.masking_utils import sdpa_mask  # noqa: E402
 from ...api import ring_attention  # noqa: E402
 from ...comm import state_of  # noqa: E402
 from ...comm.guard import digest  # noqa: E402
+from ...frontends.context import ContextParallelHandle  # noqa: E402
 from ...frontends.context import context_parallel as _sdpa_context_parallel  # noqa: E402
 from ...frontends.context import resolve_cp_mesh  # noqa: E402
 from ...layouts import DEFAULT_LAYOUT, DocZigzag, Layout, layout_from_spec  # noqa: E402
@@ -432,19 +433,13 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout) -> tuple[dict
 # ---- the front ----------------------------------------------------------------------------------------
 
 
-class HFContextParallel:
-    """What `context_parallel` binds: the model's inputs for this rank and the CP group."""
+class HFContextParallel(ContextParallelHandle):
+    """What `context_parallel` binds: dtcp's block handle (mesh, group, layout, world_size, rank,
+    positions) plus the model's inputs for this rank."""
 
     def __init__(self, mesh, group, layout: Layout, inputs: dict):
-        self.mesh, self.group, self.layout, self.inputs = mesh, group, layout, inputs
-
-    @property
-    def world_size(self) -> int:
-        return cp_size_and_rank(self.group)[0]
-
-    @property
-    def rank(self) -> int:
-        return cp_size_and_rank(self.group)[1]
+        super().__init__(mesh, group, layout)
+        self.inputs = inputs
 
     @property
     def num_items_in_batch(self):
