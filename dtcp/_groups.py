@@ -62,7 +62,11 @@ def resolve_cp_groups(group) -> tuple["dist.ProcessGroup", "dist.ProcessGroup | 
 
 def cp_size_and_rank(group) -> tuple[int, int]:
     """(N, CP rank) of a 1-D or 2-D context-parallel group (resolve_cp_groups)."""
-    ring, heads = resolve_cp_groups(group)
+    return cp_size_and_rank_of(*resolve_cp_groups(group))
+
+
+def cp_size_and_rank_of(ring: "dist.ProcessGroup", heads: "dist.ProcessGroup | None") -> tuple[int, int]:
+    """(N, CP rank) of resolved groups: CP rank = ring rank * U + Ulysses rank."""
     if heads is None:
         return group_size(ring), group_rank(ring)
     return group_size(ring) * group_size(heads), group_rank(ring) * group_size(heads) + group_rank(heads)

@@ -16,7 +16,7 @@ from . import _compat, ops
 import dataclasses
 import warnings
 
-from ._groups import GroupLike, cp_size_and_rank, group_rank, group_size, resolve_cp_groups
+from ._groups import GroupLike, cp_size_and_rank_of, group_rank, group_size, resolve_cp_groups
 from .comm import state_of
 from .exec.route import CallArgs
 from .config import config
@@ -114,7 +114,7 @@ def ring_attention(
     """
     layout = layout_from_spec(layout)
     pg, head_pg = resolve_cp_groups(group)
-    n, cp_rank = cp_size_and_rank(group)
+    n, cp_rank = cp_size_and_rank_of(pg, head_pg)
     if kv_exchange is not None and not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn)
         warnings.warn("ring_attention(kv_exchange=...) is deprecated: use strategy=... (the same values, and "
                       "'ulysses' and 'hybrid')", DeprecationWarning, stacklevel=2)
@@ -243,8 +243,8 @@ def explain(
 
     Returns a multi-line report; its first line is ``auto -> <strategy>``."""
     layout = layout_from_spec(layout)
-    n, cp_rank = cp_size_and_rank(group)
     ring_pg, head_pg = resolve_cp_groups(group)
+    n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
     if isinstance(layout, DocZigzag):
