@@ -7,6 +7,8 @@ tests/gpu/test_gpu_suite.py.)"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,41 +19,60 @@ from reference import reference_attention, rel_err
 
 
 class ContractCopyEngine:
-    """CopyEngineRing's interface over gloo point-to-point, refusing anything the real one cannot do."""
+    """CopyEngineRing's interface over gloo point-to-point, refusing anything the real one cannot
+    do: one flat region per kind holding two slots, receive views packed as the sender packs what
+    it sends (each tensor at the next 256-byte boundary), receives only into the slot named."""
 
     def __init__(self, state):
         self.state, self.pg = state, state.comm_group()
-        self.regions: dict = {}  # kind -> (slot_bytes, [two lists of views])
+        self.regions: dict = {}  # kind -> (slot_bytes, flat uint8 region of two slots)
         self.events: list = []
 
     def ensure(self, kind, slot_bytes):
         self.events.append(("ensure", kind, slot_bytes))
         if kind not in self.regions or self.regions[kind][0] < slot_bytes:
-            self.regions[kind] = (slot_bytes, {})
+            self.regions[kind] = (slot_bytes, torch.empty(2 * slot_bytes, dtype=torch.uint8))
 
-    def buffers(self, like, kind):
-        need = sum(t.numel() * t.element_size() for t in like)
+    def _packed(self, kind, shapes_dtypes, index):
+        slot_bytes, region = self.regions[kind]
+        views, offset = [], index * slot_bytes
+        for shape, dtype in shapes_dtypes:
+            n = math.prod(shape) * dtype.itemsize
+            if offset + n > (index + 1) * slot_bytes:
+                raise AssertionError(f"{kind} views of {shapes_dtypes} overflow slot {index} of {slot_bytes} bytes")
+            views.append(region[offset:offset + n].view(dtype).view(shape))
+            offset += -(-n // 256) * 256
+        return views
+
+    def buffers(self, like, kind, dtype=None):
+        need = sum(-(-t.numel() * (dtype or t.dtype).itemsize // 256) * 256 for t in like)
         if kind not in self.regions or self.regions[kind][0] < need:
             raise AssertionError(f"buffers({kind}) of {need} bytes before the {kind} slots were sized: {self.events}")
         self.events.append(("buffers", kind, need))
-        views = self.regions[kind][1]
-        key = tuple((t.shape, t.dtype) for t in like)
-        if key not in views:
-            views[key] = [[torch.empty_like(t, memory_format=torch.contiguous_format) for t in like] for _ in range(2)]
-        return views[key]
+        return [self._packed(kind, [(t.shape, dtype or t.dtype) for t in like], i) for i in range(2)]
 
-    def _is_slot(self, recv, kind) -> bool:
-        return any(recv[0] is pair[0] for views in self.regions[kind][1].values() for pair in views)
+    def _slot_index(self, tensors, kind):
+        slot_bytes, region = self.regions[kind]
+        off = tensors[0].data_ptr() - region.data_ptr()
+        if not (0 <= off < 2 * slot_bytes) or off % slot_bytes:
+            raise AssertionError(f"a {kind} view outside the {kind} slots")
+        return off // slot_bytes
 
-    def exchange(self, send, recv, shift, kind):
-        if not self._is_slot(recv, kind):
-            raise AssertionError(f"a {kind} exchange received outside the {kind} slots")
+    def fit(self, slot, shapes, kind):
+        return self._packed(kind, [(shape, t.dtype) for t, shape in zip(slot, shapes)], self._slot_index(slot, kind))
+
+    def exchange(self, send, recv, shift, kind, index):
+        if any(t.numel() for t in recv):
+            packed = self._packed(kind, [(t.shape, t.dtype) for t in recv], index)
+            if any(t.numel() and t.data_ptr() != p.data_ptr() for t, p in zip(recv, packed)):
+                raise AssertionError(f"a {kind} exchange received outside {kind} slot {index}, or unpacked")
         self.events.append(("exchange", kind))
         n, r = self.state.size, self.state.rank
         to = dist.get_global_rank(self.pg, (r + shift) % n)
         frm = dist.get_global_rank(self.pg, (r - shift) % n)
-        ops = [dist.P2POp(dist.isend, t, to, self.pg) for t in send] + [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv]
-        return dist.batch_isend_irecv(ops)
+        ops = [dist.P2POp(dist.isend, t, to, self.pg) for t in send if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv if t.numel()]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self, works):
         for w in works:
@@ -106,7 +127,7 @@ def ring_over_contract(dtype_name, backward, window):
 
 
 @pytest.mark.parametrize("dtype_name", ["float64", "bfloat16"])
-@pytest.mark.parametrize("window", [None, (20, 0)], ids=["ring", "window"])
+@pytest.mark.parametrize("window", [None, (20, 0), (5, 0)], ids=["ring", "window", "short_window"])
 def test_slots_are_sized_before_use(dtype_name, window):
     for r in run_ranks(2, ring_over_contract, dtype_name, True, window, timeout=120):
         events = r["events"]

@@ -146,19 +146,41 @@ def counted_rounds(s, window, is_causal, heads=(4, 2), d=8, b=2):
 
 @pytest.mark.parametrize("world_size,window,is_causal", [
     (4, (3, 0), True), (4, (4, 0), True), (4, (5, 0), True), (4, (8, 0), True), (4, (100, 0), True),
-    (8, (0, 0), True), (8, (9, 0), True), (4, (2, 5), False), (8, (4, 4), False),
+    (8, (0, 0), True), (8, (9, 0), True), (4, (2, 5), False), (8, (4, 4), False), (4, (1, 2), False),
 ])
 def test_rounds_and_bytes_are_bounded_by_the_window(world_size, window, is_causal):
-    """Contiguous layout, M = 4 tokens per rank: the forward sends exactly C = ceil(left / M) +
-    ceil(right / M) (at most N - 1) K/V blocks; the backward sends the same K/V blocks again
-    and as many dK/dV blocks (float64 here, so the same bytes)."""
-    m = 4
-    results = run_ranks(world_size, counted_rounds, m * world_size, window, is_causal)
-    c = min(math.ceil(window[0] / m) + math.ceil(window[1] / m), world_size - 1)
-    for r in results:
-        assert r["fwd"] == (c, c * r["block"]), r
-        assert r["bwd_kv"] == (c, c * r["block"]), r
-        assert r["bwd_grad"] == (c, c * r["block"]), r
+    """Contiguous layout, M = 4 tokens per rank: the forward makes exactly C = ceil(left / M) +
+    ceil(right / M) (at most N - 1) rounds, and sends of each block only the keys the window lets
+    its holders see: a left window of W < M needs the last W keys of the block before (all M
+    when W >= M), a right window the first min(M, right) keys of the block after; a block at the
+    sequence's edge is needed by nobody and sends nothing. The backward sends the same K/V again
+    and the matching dK/dV (float64 here, so the same bytes per key)."""
+    m, n = 4, world_size
+    left, right = window
+    results = run_ranks(n, counted_rounds, m * n, window, is_causal)
+    c = min(math.ceil(left / m) + math.ceil(right / m), n - 1)
+    c_left = min(math.ceil(left / m), n - 1)
+    c_right = c - c_left
+
+    def left_keys(block):  # keys of `block` that the next ranks' queries see
+        return min(m, left) if c_left and block < n - 1 else 0
+
+    def right_keys(block):  # keys of `block` that the previous ranks' queries see
+        return min(m, right) if c_right and block > 0 else 0
+
+    for s, r in enumerate(results):
+        per_key = r["block"] // m  # K + V bytes of one key
+        # hop h of the left chain sends block s - h + 1 forward; of the right chain, block s + h - 1
+        kv = sum(left_keys((s - h + 1) % n) for h in range(1, c_left + 1))
+        kv += sum(right_keys((s + h - 1) % n) for h in range(1, c_right + 1))
+        # hop h passes on (or sends home) the dK/dV of the block held there: s - h, or s + h
+        grad = sum(left_keys((s - h) % n) for h in range(1, c_left + 1))
+        grad += sum(right_keys((s + h) % n) for h in range(1, c_right + 1))
+        assert r["fwd"] == (c, kv * per_key), (s, r)
+        assert r["bwd_kv"] == (c, kv * per_key), (s, r)
+        assert r["bwd_grad"] == (c, grad * per_key), (s, r)
+    if 0 < left < m and right == 0:  # the point of spans: a rank inside the sequence sends W of its M keys
+        assert results[1]["fwd"][1] == c_left * left * results[1]["block"] // m
 
 
 # ---- bad input ----------------------------------------------------------------------------

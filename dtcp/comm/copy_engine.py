@@ -32,6 +32,7 @@ is used. Every later dtcp call on the group raises GroupFailedError.
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import threading
 import time
@@ -67,7 +68,6 @@ class _Region:
         self.ring, self.slot_bytes = ring, slot_bytes
         self.tensor = _compat.symm_mem_empty(2 * slot_bytes, torch.uint8, ring.device)  # local: may fail alone
         self.base: dict[int, int] = {}
-        self.views: dict = {}
 
     def connect(self) -> None:
         """Exchange handles with the peers (collective)."""
@@ -137,25 +137,35 @@ class CopyEngineRing:
         new.connect()
         self.regions[kind] = new
 
-    def buffers(self, like: list[torch.Tensor], kind: str) -> list[list[torch.Tensor]]:
-        """Two receive buffers shaped like `like` (a list of tensors) in the `kind` region."""
+    def buffers(self, like: list[torch.Tensor], kind: str, dtype=None) -> list[list[torch.Tensor]]:
+        """Two receive buffers shaped like `like` (a list of tensors; in `dtype` if given) in the
+        `kind` region."""
         region = self.regions[kind]
-        need = sum(_aligned(t.numel() * t.element_size()) for t in like)
+        specs = [(t.shape, dtype or t.dtype) for t in like]
+        need = sum(_aligned(math.prod(shape) * dt.itemsize) for shape, dt in specs)
         if region is None or region.slot_bytes < need:
             raise RuntimeError(f"dtcp: copy-engine {kind} slots hold {0 if region is None else region.slot_bytes} bytes, "
                                f"this exchange needs {need}: the route did not size them (a dtcp bug)")
-        key = tuple((t.shape, t.dtype) for t in like)
-        views = region.views.get(key)
-        if views is None:
-            views = region.views[key] = [self._views(region, like, i) for i in range(2)]
+        # Views are cheap; not cached (their shapes change with every document structure).
+        return [self._views(region, specs, i) for i in range(2)]
+
+    def fit(self, slot: list[torch.Tensor], shapes: list[tuple], kind: str) -> list[torch.Tensor]:
+        """Views of the slot that `slot` (from `buffers`) lies in, shaped `shapes` and packed as
+        `exchange` packs what it sends: each tensor at the next 256-byte boundary after the last."""
+        region = self.regions[kind]
+        index = self._slot_of(slot, kind) - _FIRST_SLOT[kind]
+        views = self._views(region, [(shape, t.dtype) for t, shape in zip(slot, shapes)], index)
+        for v, t in zip(views, slot):
+            if v.numel() > t.numel():
+                raise RuntimeError(f"dtcp: a receive of shape {tuple(v.shape)} does not fit its slot {tuple(t.shape)} (a dtcp bug)")
         return views
 
     @staticmethod
-    def _views(region: _Region, like, slot: int) -> list[torch.Tensor]:
+    def _views(region: _Region, shapes_dtypes, slot: int) -> list[torch.Tensor]:
         views, offset = [], slot * region.slot_bytes
-        for t in like:
-            n = t.numel() * t.element_size()
-            views.append(region.tensor[offset:offset + n].view(t.dtype).view(t.shape))
+        for shape, dtype in shapes_dtypes:
+            n = math.prod(shape) * dtype.itemsize
+            views.append(region.tensor[offset:offset + n].view(dtype).view(shape))
             offset += _aligned(n)
         return views
 
@@ -170,10 +180,13 @@ class CopyEngineRing:
         return self._flag_base[rank] + 4 * index
 
     # ---- exchange ----------------------------------------------------------------------------------
-    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str) -> tuple:
-        """Send `send` into the slot of rank+shift that corresponds to our `recv` slot, and receive
-        into `recv` from rank-shift. Returns what `wait` needs."""
-        slot = self._slot_of(recv, kind)
+    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str, index: int) -> tuple:
+        """Send `send` into the slot of rank+shift that corresponds to our `recv` slot (`index`: 0
+        or 1 of our `kind` slots; `recv` may be empty), and receive into `recv` from rank-shift.
+        Returns what `wait` needs."""
+        slot = _FIRST_SLOT[kind] + index
+        if any(t.numel() for t in recv) and self._slot_of(recv, kind) != slot:
+            raise RuntimeError(f"dtcp: a copy-engine exchange must receive into {kind} slot {index} (a dtcp bug)")
         region = self.regions[kind]
         direction = 0 if shift == 1 else 1
         nxt, prv = (self.rank + shift) % self.world, (self.rank - shift) % self.world
@@ -194,7 +207,8 @@ class CopyEngineRing:
         dst = region.base[nxt] + (slot - _FIRST_SLOT[kind]) * region.slot_bytes
         for src in send:
             n = src.numel() * src.element_size()
-            d.copy(dst, src.data_ptr(), n, side)  # a copy engine over NVLink
+            if n:
+                d.copy(dst, src.data_ptr(), n, side)  # a copy engine over NVLink
             self._in_flight.append(src)
             dst += _aligned(n)
         d.write(side, self._flag_addr(nxt, _flag_index(direction, 0, slot)), seq)

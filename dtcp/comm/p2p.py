@@ -8,6 +8,8 @@ its timeout, and the copy engines have a watchdog (dtcp/comm/copy_engine.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -30,30 +32,40 @@ class RingComm:
         self.copy_engine = copy_engine
         self.exchanges = {"copy_engine": 0, "p2p": 0}  # by path taken, for tests and benchmarks
 
-    def spare_buffers(self, like: list[torch.Tensor], kind: str) -> list[list[torch.Tensor]]:
-        """Two receive buffers shaped like `like`. kind: "kv" or "grad" (separate slots). On the
-        copy engines the slots must already be sized (CopyEngineRing.ensure) for `like`."""
+    def spare_buffers(self, like: list[torch.Tensor], kind: str, dtype=None) -> list[list[torch.Tensor]]:
+        """Two receive slots, each holding tensors shaped like `like` (the largest a round of this
+        call receives), in `dtype` if given. kind: "kv" or "grad" (separate slots). On the copy
+        engines the slots must already be sized (CopyEngineRing.ensure) for them."""
         if self.copy_engine is not None:
-            return self.copy_engine.buffers(like, kind)
-        return [[torch.empty_like(t, memory_format=torch.contiguous_format) for t in like] for _ in range(2)]
+            return self.copy_engine.buffers(like, kind, dtype)
+        return new_slots(like, dtype)
+
+    def fit(self, slot: list[torch.Tensor], shapes: list[tuple], kind: str) -> list[torch.Tensor]:
+        """Contiguous views of one slot of `spare_buffers`, shaped `shapes` (each no larger than
+        the slot's tensor), laid out as this transport delivers them: a round that receives
+        fewer keys than the largest receives into the same slot."""
+        if self.copy_engine is not None:
+            return self.copy_engine.fit(slot, shapes, kind)
+        return fit_views(slot, shapes)
 
     def _peer(self, offset: int) -> int:
         return global_rank(self.pg, (self.rank + offset) % self.world_size)
 
-    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str) -> list:
+    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str, slot: int) -> list:
         """Start the exchange; returns what `wait` takes. Call `wait` before reading `recv` or
-        writing `send`."""
+        writing `send`. `recv` lies in spare slot `slot` (0 or 1). Empty tensors move nothing:
+        the peer's matching tensor is empty too (both sides size them from the same plan)."""
         n = self.world_size
         shift = (shift + n // 2) % n - n // 2 if n > 1 else 0  # ranks may name a neighbour as +k or k - N
         STATS.count(kind, nbytes(send))
         if self.copy_engine is not None and abs(shift) == 1:
             self.exchanges["copy_engine"] += 1
-            return [("copy_engine", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind))]
+            return [("copy_engine", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind, slot))]
         self.exchanges["p2p"] += 1
         to, frm = self._peer(shift), self._peer(-shift)
-        ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.pg) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv]
-        return dist.batch_isend_irecv(ops)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.pg) for t in send if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.pg) for t in recv if t.numel()]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self, works: list) -> None:
         for w in works:
@@ -73,15 +85,35 @@ class RingComm:
         self.drain()
 
 
+def new_slots(like: list[torch.Tensor], dtype=None) -> list[list[torch.Tensor]]:
+    """Two freshly allocated, contiguous slots shaped like `like` (in `dtype` if given)."""
+    return [[torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like] for _ in range(2)]
+
+
+def fit_views(slot: list[torch.Tensor], shapes: list[tuple]) -> list[torch.Tensor]:
+    """The leading elements of each (contiguous) tensor of `slot`, viewed as the matching shape."""
+    views = []
+    for t, shape in zip(slot, shapes):
+        numel = math.prod(shape)
+        if numel > t.numel():
+            raise RuntimeError(f"dtcp: a receive of shape {tuple(shape)} does not fit its slot {tuple(t.shape)} (a dtcp bug)")
+        views.append(t.view(-1)[:numel].view(shape))
+    return views
+
+
 class NoComm:
     """Stand-in for RingComm that moves nothing: each step reuses the rank's own K/V (the
     benchmarks' no-communication ideal)."""
 
     @staticmethod
-    def spare_buffers(like, kind):
-        return [[torch.empty_like(t) for t in like] for _ in range(2)]
+    def spare_buffers(like, kind, dtype=None):
+        return new_slots(like, dtype)
 
-    def exchange(self, send, recv, shift: int, kind: str):
+    @staticmethod
+    def fit(slot, shapes, kind):
+        return fit_views(slot, shapes)
+
+    def exchange(self, send, recv, shift: int, kind: str, slot: int):
         return None
 
     @staticmethod

@@ -34,37 +34,90 @@ def _covers_all_rows(step, local_len: int) -> bool:
     return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
 
 
+def _hull(ranges) -> tuple[int, int]:
+    """The smallest [start, end) holding every non-empty range of `ranges`; (0, 0) when none."""
+    ranges = [(a, b) for a, b in ranges if b > a]
+    return (min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges else (0, 0)
+
+
+def _local_call_is_whole(plan: RingPlan, local_len: int) -> bool:
+    """Is the local step one kernel call over every row and every key of the rank's block? Then
+    its result stands as the kernel returned it wherever no other step adds to it."""
+    tasks = plan.steps[0].tasks
+    return len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_end, tasks[0].k_start, tasks[0].k_end) == (
+        0, local_len, 0, local_len)
+
+
+def _rows(x: torch.Tensor, start: int, end: int, origin: int = 0) -> torch.Tensor:
+    """x[:, :, start - origin:end - origin]: rows [start, end) of a tensor holding rows from `origin`."""
+    return x[:, :, start - origin:end - origin]
+
+
+def _keys(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """x[:, :, start:end]: the keys of a span of a (B, H, L, D) block."""
+    return x if span == (0, x.shape[2]) else x[:, :, span[0]:span[1]]
+
+
+def _shapes(like, span_len: int) -> list[tuple]:
+    return [(t.shape[0], t.shape[1], span_len, t.shape[3]) for t in like]
+
+
+def _slot_like(pair, plan: RingPlan) -> list[torch.Tensor]:
+    """Views (no copy) shaped like the largest span this rank receives, to size spare slots by;
+    at least one key, so that every slot has an address."""
+    n = max(1, plan.max_span_len)
+    return [t[:, :, :n] if t.shape[2] >= n else t.new_empty(t.shape[:2] + (n,) + t.shape[3:]) for t in pair]
+
+
+def _task_keys(task, step) -> slice:
+    """The task's keys as a slice of the held span."""
+    return seq_slice(task.k_start - step.span[0], task.k_end - step.span[0])
+
+
 def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
     """q: (B, Hq, L, D), k: (B, Hkv, L, D), v: (B, Hkv, L, Dv), this rank's shards; sink: (Hq,) or
     None, added once per row after the merge. Returns out (B, Hq, L, Dv) in q.dtype and lse
     (B, Hq, L) float32 (float64 for float64)."""
     acc = acc_dtype(q.dtype)
+    local_len = q.shape[2]
     out_shape = q.shape[:-1] + v.shape[-1:]
     local = cur = (k.contiguous(), v.contiguous())
-    spare = comm.spare_buffers(list(cur), "kv") if plan.num_rounds else []
-    out_acc = lse_acc = None
+    spare = comm.spare_buffers(_slot_like(local, plan), "kv") if plan.num_rounds else []
+    moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
+    # When the local step is one call over the whole block, the rows no later step touches keep
+    # its output as the kernel returned it (rounded once, as on one GPU), and the float32
+    # accumulator covers only the rows later steps merge into: under a window of W < L tokens the
+    # first W rows, not all L (at 64K tokens and 32 heads that is GiBs less memory traffic).
+    keep_local = sink is None and _local_call_is_whole(plan, local_len)
+    merged = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks) if keep_local else (0, local_len)
+    out = out_acc = lse_acc = None
 
     for t, step in enumerate(plan.steps):
         works = None
         if t < plan.num_rounds:
-            works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
+            works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
+        if not moves:
+            cur = tuple(_keys(x, step.span) for x in local)
         for task in step.tasks:
-            qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
+            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
-            if out_acc is None and _covers_all_rows(step, q.shape[2]):
+            if t == 0 and keep_local:
+                out = o.to(q.dtype).contiguous()  # contiguous, as the op's fake promises
+                lse_acc = l.to(acc).contiguous()
+                out_acc = _rows(out, *merged).to(acc)  # (the rows themselves for float64)
+                continue
+            if out_acc is None and _covers_all_rows(step, local_len):
                 # First result covering every row: it *is* the running result (no merge needed).
-                # Contiguous, as the op's fake promises (Tensor.to returns self when the dtype
-                # already matches, whatever the strides).
                 out_acc = torch.empty(out_shape, dtype=acc, device=q.device).copy_(o)
                 lse_acc = l.to(acc).contiguous()
                 continue
             if out_acc is None:
                 out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
                 lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-            merge_into_(out_acc[qs], lse_acc[qs], o, l)
+            merge_into_(_rows(out_acc, task.q_start, task.q_end, merged[0]), lse_acc[qs], o, l)
         if works is not None:
             comm.wait(works)
-            cur = spare[t % 2]
+            cur = nxt
     if out_acc is None:  # no task at all: every row is padding
         out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -74,14 +127,20 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
-    return out_acc.to(q.dtype), lse_acc
+    if out is None:
+        return out_acc.to(q.dtype), lse_acc
+    _rows(out, *merged).copy_(out_acc)
+    return out, lse_acc
 
 
-def _send_next_block(comm, plan: RingPlan, t: int, cur, local, nxt):
-    """Start the K/V transfer for step t + 1: forward the block held, or at the start of a
-    chain this rank's own block."""
-    send = local if plan.starts_chain(t + 1) else cur
-    return comm.exchange(list(send), list(nxt), plan.steps[t + 1].shift, "kv")
+def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
+    """Start the K/V transfer for step t + 1: forward the span held (a chain's span is the same
+    at every hop), or at the start of a chain this rank's own block's span. Returns (what
+    comm.wait takes, the receive views: step t + 1's span of the next block)."""
+    nxt_step = plan.steps[t + 1]
+    send = [_keys(x, nxt_step.home_span) for x in local] if plan.starts_chain(t + 1) else list(cur)
+    nxt = comm.fit(spare[t % 2], _shapes(local, nxt_step.span_len), "kv")
+    return comm.exchange(send, nxt, nxt_step.shift, "kv", t % 2), nxt
 
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None):
@@ -89,33 +148,53 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     kernel's probabilities are the final ones, and dq, dk, dv need nothing else). Returns dq, dk,
     dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
-    rounds = plan.num_rounds
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    rounds, local_len = plan.num_rounds, q.shape[2]
     local = cur = (k.contiguous(), v.contiguous())
-    spare = comm.spare_buffers(list(cur), "kv") if rounds else []
-    # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
-    own_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
-    dkv_bufs = comm.spare_buffers(list(own_dkv), "grad") if rounds else []
-    dkv_works = None
+    spare = comm.spare_buffers(_slot_like(local, plan), "kv") if rounds else []
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
+    chain_ends = [t for t in range(1, rounds + 1) if moves and (t == rounds or plan.starts_chain(t + 1))]
+    # As in the forward: with one local call over the whole block, its dq (dK/dV) stand as the
+    # kernel returned them except on the rows (keys) other steps add to, which sum in float32.
+    keep_local = _local_call_is_whole(plan, local_len)
+    if keep_local:
+        dq_rows = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks)
+        home_keys = _hull(plan.steps[t].home_span for t in chain_ends)
+        grads = dq_acc = own_dkv = None
+    else:
+        dq_rows, home_keys = (0, local_len), (0, local_len)
+        dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
+        own_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+    dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
+    dkv_works = None
+
+    def grad_slot(i: int, span_len: int) -> list[torch.Tensor]:
+        return comm.fit(dkv_bufs[i], _shapes(local, span_len), "grad")
 
     for t, step in enumerate(plan.steps):
         kv_works = None
         if t < rounds:
-            kv_works = _send_next_block(comm, plan, t, cur, local, spare[t % 2])
-        block_grads = []  # this step's dK/dV for the block held, per task
+            kv_works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
+        if not moves:
+            cur = tuple(_keys(x, step.span) for x in local)
+        block_grads = []  # this step's dK/dV for the span held, per task
         for task in step.tasks:
-            qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
+            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             dq_t, dk_t, dv_t = kernel.backward(
                 dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale, softcap=softcap
             )
-            dq[qs] += dq_t
+            if t == 0 and keep_local:
+                grads = tuple(g.to(x.dtype).contiguous() for g, x in zip((dq_t, dk_t, dv_t), (q, k, v)))
+                dq_acc = _rows(grads[0], *dq_rows).to(acc)  # (the rows themselves for float64)
+                own_dkv = tuple(_rows(g, *home_keys).to(acc) for g in grads[1:])
+                continue
+            _rows(dq_acc, task.q_start, task.q_end, dq_rows[0]).add_(dq_t)
             block_grads.append((ks, dk_t, dv_t))
             del dq_t, dk_t, dv_t
         if t == 0:
             travelling = own_dkv  # the own block's gradients never leave
         else:
-            travelling = dkv_bufs[t % 2]  # the held block's dK/dV accumulator
+            travelling = grad_slot(t % 2, step.span_len)  # the held span's dK/dV accumulator
             if plan.starts_chain(t) or not moves:
                 comm.drain()  # the buffer may still be being sent from
                 travelling[0].zero_()
@@ -128,19 +207,27 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             travelling[1][ks] += dv_t
         del block_grads
         if t > 0 and moves:
-            if t < rounds and not plan.starts_chain(t + 1):
-                # Pass it on to the block's next holder; it arrives while that rank computes.
-                dkv_works = comm.exchange(list(travelling), list(dkv_bufs[(t + 1) % 2]), step.shift, "grad")
+            if t not in chain_ends:
+                # Pass it on to the block's next holder; it arrives while that rank computes. We
+                # receive the accumulator of the block we hold next.
+                incoming = grad_slot((t + 1) % 2, plan.steps[t + 1].span_len)
+                dkv_works = comm.exchange(list(travelling), incoming, step.shift, "grad", (t + 1) % 2)
             else:
-                # End of a chain: send it to the block's owner and take in ours. The other dK/dV
-                # buffer is free here (its last send was waited on in this step).
-                returned = dkv_bufs[(t + 1) % 2]
+                # End of a chain: send it to the block's owner and take in ours (our block's span
+                # in this chain). The other dK/dV slot is free here (its last send was waited on
+                # in this step).
+                returned = grad_slot((t + 1) % 2, step.home_span[1] - step.home_span[0])
                 # (src - rank is the same for every rank modulo N, so all take the same path.)
-                comm.wait(comm.exchange(list(travelling), list(returned), step.src - plan.rank, "grad"))
-                own_dkv[0].add_(returned[0])
-                own_dkv[1].add_(returned[1])
+                comm.wait(comm.exchange(list(travelling), returned, step.src - plan.rank, "grad", (t + 1) % 2))
+                for mine, back in zip(own_dkv, returned):
+                    _rows(mine, *step.home_span, home_keys[0]).add_(back)
         if kv_works is not None:
             comm.wait(kv_works)
-            cur = spare[t % 2]
+            cur = nxt
     comm.finish()
-    return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype)
+    if not keep_local:
+        return dq_acc.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype)
+    _rows(grads[0], *dq_rows).copy_(dq_acc)
+    for g, summed in zip(grads[1:], own_dkv):
+        _rows(g, *home_keys).copy_(summed)
+    return grads

@@ -385,15 +385,27 @@ def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = Tru
 
     ring_pairs, total_pairs, ring_q_block = per_row(ring_plans)
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
+    ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
-                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_calls=calls.get("ring", 1),
+                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
+                      ring_calls=calls.get("ring", 1),
                       ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs,
                       allgather_calls=calls.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=calls.get("ulysses", 1), kernels=tuple(kernels.items()))
     machine = machine_for(config.cost_machine)
     return rank_strategies(allowed, shape, machine)
+
+
+def _keys_per_round(build, layout, local_len: int, n: int, is_causal: bool, row_masks) -> float:
+    """Keys a ring round moves, averaged over rounds and batch rows: in each round the ranks move
+    in lockstep, so the widest span any rank receives sets it."""
+    widths = []
+    for mask in row_masks:
+        plans = build(layout, local_len, n, is_causal, mask)
+        widths += [max(p.steps[t].span_len for p in plans) for t in range(1, plans[0].num_rounds + 1)]
+    return sum(widths) / len(widths) if widths else float(local_len)
 
 
 def _kernel_calls(plan, kernel: Kernel) -> int:
@@ -593,7 +605,7 @@ class _LocalOnly:
     """The 'exchange' of a plan with no rounds (one rank, or every needed block local)."""
 
     @staticmethod
-    def spare_buffers(like, kind):  # pragma: no cover - a plan without rounds asks for none
+    def spare_buffers(like, kind, dtype=None):  # pragma: no cover - a plan without rounds asks for none
         raise AssertionError("a ring plan without rounds exchanges nothing")
 
     @staticmethod

@@ -11,9 +11,10 @@ ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves v
   small blocks (rate * r / (r + `kernel_half_rows`), r = query rows x heads x batch: the
   kernel's grid, which a short block with few heads does not fill), plus `call_overhead_s` per kernel
   call (three with the backward: forward, backward and the merge);
-* **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * L * (D + Dv) * e bytes; in
-  the backward K/V plus float32 dK/dV) with one block's kernels; the slowest rank's pairs set the
-  step (contiguous causal is unbalanced, zigzag is not);
+* **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * K * (D + Dv) * e bytes,
+  K the keys of the block its holders use: L, or a window's span; in the backward K/V plus
+  float32 dK/dV) with one block's kernels; the slowest rank's pairs set the step (contiguous
+  causal is unbalanced, zigzag is not);
 * **allgather**: one all-gather of K/V, exposed, then the rank's kernels; in the backward a
   float32 reduce-scatter of dK/dV (the forward's gathered K/V is kept);
 * **ulysses**: all-to-alls of q, k, v (K/V heads replicated up to U when Hkv < U) and of out +
@@ -95,6 +96,7 @@ class CallShape:
     # number of kernel calls, their typical query length and the ring's rounds
     ring_pairs: float = 0
     ring_rounds: int = 0
+    ring_kv_len: Optional[float] = None  # keys one ring transfer carries (a window's span; None: the whole block)
     ring_calls: int = 1
     ring_q_block: int = 0
     allgather_pairs: float = 0
@@ -105,6 +107,7 @@ class CallShape:
     hybrid_pairs: int = 0  # the slowest head group's visible pairs over its U * L tokens
     hybrid_rounds: int = 0
     hybrid_calls: int = 1
+    hybrid_kv_len: Optional[float] = None  # keys one transfer across groups carries (None: the group's whole block)
     # the kernel each strategy's schedule runs on (its rate: Machine.kernel_rates); None: the default
     kernels: tuple = ()  # (strategy, kernel name)
 
@@ -165,12 +168,12 @@ def _flops(shape: CallShape, heads: float, pairs: float) -> float:
     return 2.0 * shape.batch * heads * pairs * (shape.head_dim + shape.v_head_dim) * mult
 
 
-def _ring(machine: Machine, shape: CallShape, kv_heads: int, local_len: int, heads: float, pairs: int, rounds: int,
+def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, heads: float, pairs: int, rounds: int,
           calls: int, q_block: int, kernel_name: Optional[str] = None) -> tuple[float, float, float]:
-    """(total, kernel, comm, exposed) of a ring over `rounds` steps."""
+    """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
                        shape.backward)
-    kv = shape.batch * kv_heads * local_len * (shape.head_dim + shape.v_head_dim)
+    kv = shape.batch * kv_heads * kv_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
     if not shape.backward:
@@ -195,7 +198,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
     n, b, e = shape.world_size, shape.batch, shape.elem_bytes
     d, dv = shape.head_dim, shape.v_head_dim
     if strategy == "ring":
-        total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, shape.local_len, shape.q_heads,
+        kv_len = shape.local_len if shape.ring_kv_len is None else shape.ring_kv_len
+        total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, kv_len, shape.q_heads,
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
                                              shape.ring_q_block or shape.local_len, shape.kernel_of("ring"))
         return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed)
@@ -241,8 +245,9 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         across = machine if outer is None else replace(machine, p2p_bytes_per_s=outer.p2p_bytes_per_s,
                                                        collective_bytes_per_s=outer.collective_bytes_per_s,
                                                        latency_s=outer.latency_s)
+        kv_len = u * l_len if shape.hybrid_kv_len is None else shape.hybrid_kv_len
         ring_total, kernel, ring_comm, ring_exposed = _ring(
-            across, shape, max(1, kv_heads_sent // u), u * l_len, shape.q_heads / u, shape.hybrid_pairs,
+            across, shape, max(1, kv_heads_sent // u), kv_len, shape.q_heads / u, shape.hybrid_pairs,
             shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))
         note = f"ulysses {u} x ring {r}"
         return Prediction("hybrid", ring_total + comm + copies + machine.fixed_of("hybrid"), kernel, comm + ring_comm,

@@ -6,11 +6,18 @@ blocks travel forward (rank r holds the block of rank r - d at its d-th step, sh
 chain in which they travel backward (the block of rank r + d, shift -1). Without a window or
 documents every block is needed and the plan is the classic ring: one left chain of N - 1 steps.
 With a sliding window or document mask the plan keeps only the offsets some rank needs, and
-picks the split between the two chains that sends the fewest blocks (`_choose_chains`).
+picks the split between the two chains with the fewest rounds, then the fewest keys on the
+wire per round (`_chain_splits`, `round_keys`).
 
 Each step lists `Task`s (plan/mask.py), trimmed so that no kernel sees a fully masked row and no
 masked-out block is computed. Every causal task the plain fast path emits is square, so
 top-left and bottom-right aligned kernels agree on it.
+
+A block travels only as far as its chain needs it, and only the keys its holders use: the
+block's *span* in a chain is the hull of the key ranges of every task any holder runs on it
+(a sliding window of W < M tokens sends the last W keys of each block, not all M; a block no
+holder uses sends nothing). The span is the same at every hop of a chain, so a holder forwards
+what it received as it is, and its dK/dV travel back with the same span.
 """
 
 from __future__ import annotations
@@ -26,10 +33,20 @@ from .mask import AttnMask, Task, band_tasks
 @dataclass(frozen=True)
 class Step:
     src: int  # the rank whose K/V block is held at this step
+    # Kernel calls on the block; their key indices count from the start of src's whole block.
     tasks: tuple[Task, ...]
     # How the block got here: received from rank - shift (+1: left chain, -1: right chain,
     # 0: the local block at step 0).
     shift: int = 1
+    # The keys [start, end) of src's block held at this step (its span in this chain: what
+    # travels), and the span of this rank's own block in the same chain (what it sends when the
+    # chain starts, and what comes home at its end). (0, 0): nothing.
+    span: tuple[int, int] = (0, 0)
+    home_span: tuple[int, int] = (0, 0)
+
+    @property
+    def span_len(self) -> int:
+        return self.span[1] - self.span[0]
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,12 @@ class RingPlan:
     def num_rounds(self) -> int:
         """Communication rounds of K/V: one fewer than the steps."""
         return len(self.steps) - 1
+
+    @property
+    def max_span_len(self) -> int:
+        """The most keys of a block this rank receives in one round, K/V or dK/dV coming home
+        (0: none)."""
+        return max((max(s.span_len, s.home_span[1] - s.home_span[0]) for s in self.steps[1:]), default=0)
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -83,22 +106,47 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
 
     table = {(r, d): tuple(tasks_of(r, (r - d) % n)) for r in range(n) for d in range(n)}
     needed = {d for (r, d), tasks in table.items() if d and tasks}
-    left, right = _choose_chains(needed, n)
-    offsets = [(0, 0)] + [(d, 1) for d in range(1, left + 1)] + [(-d, -1) for d in range(1, right + 1)]
-    return tuple(
-        RingPlan(n, r, local_len, tuple(Step((r - d) % n, table[r, d % n], shift) for d, shift in offsets))
-        for r in range(n)
-    )
+
+    def spans_of(left: int, right: int) -> dict:
+        """(block, shift) -> the hull of the keys of `block` that the holders of that chain use."""
+        chains = {1: range(1, left + 1), -1: range(-1, -right - 1, -1)}  # offsets d: rank r holds block r - d
+        spans = {}
+        for b in range(n):
+            for shift, offsets in chains.items():
+                used = [(t.k_start, t.k_end) for d in offsets for t in table[(b + d) % n, d % n]]
+                spans[b, shift] = (min(a for a, _ in used), max(e for _, e in used)) if used else (0, 0)
+        return spans
+
+    def round_keys(split, spans) -> int:
+        """Keys on the wire per rank, summed over rounds: every hop of a chain moves every block
+        one rank on in lockstep, so a round lasts as long as its largest span takes."""
+        widest = {shift: max(spans[b, shift][1] - spans[b, shift][0] for b in range(n)) for shift in (1, -1)}
+        return split[0] * widest[1] + split[1] * widest[-1]
+
+    # Fewest rounds first, then the fewest keys per round (a window reaching both ways is cheaper
+    # as two short chains than as one long one whose spans grow to whole blocks), then the
+    # longest left chain (the classic ring).
+    candidates = [(split, spans_of(*split)) for split in _chain_splits(needed, n)]
+    (left, right), spans = min(candidates, key=lambda c: round_keys(*c))
+    offsets = [(d, 1) for d in range(1, left + 1)] + [(-d, -1) for d in range(1, right + 1)]
+
+    def steps_of(r: int) -> tuple[Step, ...]:
+        own = Step(r, table[r, 0], 0, (0, local_len), (0, local_len))
+        return (own,) + tuple(Step((r - d) % n, table[r, d % n], shift, spans[(r - d) % n, shift], spans[r, shift])
+                              for d, shift in offsets)
+
+    return tuple(RingPlan(n, r, local_len, steps_of(r)) for r in range(n))
 
 
-def _choose_chains(needed: set[int], n: int) -> tuple[int, int]:
-    """Lengths (a, b) of the left chain (offsets 1..a) and the right chain (offsets n-1..n-b, that
-    is sources r+1..r+b) that cover every needed offset with the fewest rounds a + b; ties go to
-    the left chain (the classic ring)."""
-    best = (n - 1, 0) if needed else (0, 0)
+def _chain_splits(needed: set[int], n: int) -> list[tuple[int, int]]:
+    """The splits (a, b) into a left chain (offsets 1..a) and a right chain (offsets n-1..n-b,
+    that is sources r+1..r+b) that cover every needed offset with the fewest rounds a + b, the
+    longest left chain first."""
+    if not needed:
+        return [(0, 0)]
+    splits = []
     for a in range(n):
         rest = [d for d in needed if d > a]
-        b = n - min(rest) if rest else 0
-        if (a + b, b) < (sum(best), best[1]):
-            best = (a, b)
-    return best
+        splits.append((a, n - min(rest) if rest else 0))
+    fewest = min(a + b for a, b in splits)
+    return sorted({s for s in splits if sum(s) == fewest}, key=lambda s: s[1])
