@@ -39,6 +39,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def exact_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """rel_err, except where the exact answer is zero up to rounding (a query that sees only
+    itself has no dq, nor does a one-token document): there ||a - b|| itself, inputs being O(1),
+    since a relative error of two roundings of zero means nothing."""
+    if b.double().norm() < 1e-12:
+        a, b = a.double(), b.double()
+        return (a - b).norm().item() if torch.isfinite(a).all() else float("inf")
+    return rel_err(a, b)
+
+
 def window_doc_mask(s, *, is_causal=False, window=(-1, -1), cu_seqlens=None, segments=None):
     """(S, S) bool, True = visible, built densely and independently of dtcp's schedule: flash-attn
     window (left, right) (-1 = unbounded), causal, documents from `cu_seqlens` (global

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import dtcp
 from dist_harness import run_ranks
-from reference import rel_err, window_doc_mask
+from reference import exact_err, rel_err, window_doc_mask
 
 KEYS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
@@ -71,7 +71,7 @@ def errors(layout_spec, s, *, is_causal=True, window=None, cu=None, heads=(4, 2)
     got = {"out": out, "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
     want = {"out": shard(out_ref), "lse": shard(lse_ref), "dq": shard(ref[0].grad), "dk": shard(ref[1].grad),
             "dv": shard(ref[2].grad)}
-    result = {key: rel_err(got[key], want[key]) for key in got}
+    result = {key: exact_err(got[key], want[key]) for key in got}
     if sinks is not None:
         dsinks = my_sinks.grad.clone()
         dist.all_reduce(dsinks)  # each rank holds its rows' share, as for any parameter
