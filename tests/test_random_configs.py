@@ -1,5 +1,5 @@
 """Random combinations of everything a call can ask for, each exact in float64 against dense
-single-process attention (out, lse, dq, dk, dv, and the sinks' gradient): layout, world size,
+single-process attention (out, lse, dq, dk, dv, and the sinks' gradient): layout, world size (2, 3, 4, 6),
 causal or not, a window of any reach, packed documents with empty and single-token ones, GQA,
 a value head dim of its own, softcap, sinks, batch rows, and the strategy. The cases are drawn
 from a fixed seed, so every run checks the same ones; each prints its configuration on failure.
@@ -51,7 +51,7 @@ def run_case(case):
     return errors(case.pop("layout_spec"), case.pop("s"), **case)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
 def test_random_combinations_are_exact(world_size):
     rng = random.Random(1000 + world_size)
     for i in range(14):

@@ -174,15 +174,15 @@ class _Counted:
             self.mode.in_kernel = False
 
 
-def _accumulator_bytes(monkeypatch, whole_path: bool) -> int:
+def _accumulator_bytes(monkeypatch, whole_path: bool, mask=None) -> int:
     from dtcp.comm.p2p import NoComm
     from dtcp.exec import ring
     from dtcp.kernels.math import MathKernel
 
     if whole_path:  # the path every schedule took before: float32 over every row and key
-        monkeypatch.setattr(ring, "_local_call_is_whole", lambda plan, local_len: False)
-    local_len, window = 256, 16
-    plan = ring_plans(dtcp.Contiguous(), local_len, 2, True, AttnMask.make(True, (window, 0)))[1]
+        monkeypatch.setattr(ring, "_local_calls_are_disjoint", lambda plan: False)
+    local_len = 256
+    plan = ring_plans(dtcp.Contiguous(), local_len, 2, True, mask or AttnMask.make(True, (16, 0)))[1]
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, local_len, 32, generator=g).to(torch.bfloat16) for _ in range(4))
     mode = _AccumulatorWrites()
@@ -221,3 +221,13 @@ def test_the_cost_model_moves_the_span():
     bytes_ratio = (spans.comm_s - 3 * machine.latency_s) / (blocks.comm_s - 3 * machine.latency_s)
     assert abs(bytes_ratio - 4096 / 65536) < 1e-12, bytes_ratio
     assert spans.total_s < blocks.total_s
+
+
+def test_float32_accumulators_cover_only_the_merged_rows_of_documents(monkeypatch):
+    """Documents [0, 240), [240, 300), [300, 400), [400, 512) over 2 contiguous ranks of 256:
+    rank 1's local calls are one per document piece (disjoint), and only the 44 rows of the
+    document that started on rank 0 merge in float32."""
+    mask = AttnMask.make(True, (-1, -1), segments_from_cu_seqlens((0, 240, 300, 400, 512), 512))
+    kept = _accumulator_bytes(monkeypatch, whole_path=False, mask=mask)
+    everything = _accumulator_bytes(monkeypatch, whole_path=True, mask=mask)
+    assert kept < 0.3 * everything, (kept, everything)

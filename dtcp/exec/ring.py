@@ -40,12 +40,25 @@ def _hull(ranges) -> tuple[int, int]:
     return (min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges else (0, 0)
 
 
-def _local_call_is_whole(plan: RingPlan, local_len: int) -> bool:
-    """Is the local step one kernel call over every row and every key of the rank's block? Then
-    its result stands as the kernel returned it wherever no other step adds to it."""
+def _local_calls_are_disjoint(plan: RingPlan) -> bool:
+    """Do the local step's kernel calls touch pairwise disjoint rows and pairwise disjoint keys
+    (one call over the whole block, or one per document)? Then each row's (key's) local result
+    comes from one call and stands as the kernel returned it wherever no other step adds to it."""
     tasks = plan.steps[0].tasks
-    return len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_end, tasks[0].k_start, tasks[0].k_end) == (
-        0, local_len, 0, local_len)
+
+    def disjoint(ranges) -> bool:
+        ranges = sorted(ranges)
+        return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+    return disjoint([(t.q_start, t.q_end) for t in tasks]) and disjoint([(t.k_start, t.k_end) for t in tasks])
+
+
+def _whole_or_zeros(result: torch.Tensor, shape, dtype, covers_all: bool) -> torch.Tensor:
+    """The tensor the local calls' results are written into: the one call's own result when it
+    covers everything (contiguous, in `dtype`), else zeros (rows no call touches: padding)."""
+    if covers_all:
+        return result.to(dtype).contiguous()
+    return torch.zeros(shape, dtype=dtype, device=result.device)
 
 
 def _rows(x: torch.Tensor, start: int, end: int, origin: int = 0) -> torch.Tensor:
@@ -84,13 +97,17 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(_slot_like(local, plan), "kv") if plan.num_rounds else []
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
-    # When the local step is one call over the whole block, the rows no later step touches keep
-    # its output as the kernel returned it (rounded once, as on one GPU), and the float32
-    # accumulator covers only the rows later steps merge into: under a window of W < L tokens the
-    # first W rows, not all L (at 64K tokens and 32 heads that is GiBs less memory traffic).
-    keep_local = sink is None and _local_call_is_whole(plan, local_len)
+    # When the local step's calls are disjoint (one over the whole block, or one per document),
+    # the rows no later step touches keep their call's output as the kernel returned it (rounded
+    # once, as on one GPU), and the float32 accumulator covers only the rows later steps merge
+    # into: under a window of W < L tokens the first W rows, not all L (at 64K tokens and 32
+    # heads that is GiBs less memory traffic).
+    keep_local = sink is None and _local_calls_are_disjoint(plan)
     merged = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks) if keep_local else (0, local_len)
     out = out_acc = lse_acc = None
+    if keep_local and not plan.steps[0].tasks:  # every local row is padding
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
 
     for t, step in enumerate(plan.steps):
         works = None
@@ -102,10 +119,17 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
             if t == 0 and keep_local:
-                out = o.to(q.dtype).contiguous()  # contiguous, as the op's fake promises
-                lse_acc = l.to(acc).contiguous()
-                out_acc = _rows(out, *merged).to(acc)  # (the rows themselves for float64)
+                whole = _covers_all_rows(step, local_len)
+                if out is None:  # contiguous, as the op's fake promises
+                    out = _whole_or_zeros(o, out_shape, q.dtype, whole)
+                    lse_acc = l.to(acc).contiguous() if whole else torch.full(
+                        q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+                if not whole:
+                    out[qs] = o
+                    lse_acc[qs] = l
                 continue
+            if out_acc is None and keep_local:
+                out_acc = _rows(out, *merged).to(acc)  # (the rows themselves for float64)
             if out_acc is None and _covers_all_rows(step, local_len):
                 # First result covering every row: it *is* the running result (no merge needed).
                 out_acc = torch.empty(out_shape, dtype=acc, device=q.device).copy_(o)
@@ -118,7 +142,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
         if works is not None:
             comm.wait(works)
             cur = nxt
-    if out_acc is None:  # no task at all: every row is padding
+    if out_acc is None and not keep_local:  # no task at all: every row is padding
         out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     comm.finish()
@@ -127,9 +151,10 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
-    if out is None:
+    if not keep_local:
         return out_acc.to(q.dtype), lse_acc
-    _rows(out, *merged).copy_(out_acc)
+    if out_acc is not None:
+        _rows(out, *merged).copy_(out_acc)
     return out, lse_acc
 
 
@@ -153,13 +178,15 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     spare = comm.spare_buffers(_slot_like(local, plan), "kv") if rounds else []
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
     chain_ends = [t for t in range(1, rounds + 1) if moves and (t == rounds or plan.starts_chain(t + 1))]
-    # As in the forward: with one local call over the whole block, its dq (dK/dV) stand as the
-    # kernel returned them except on the rows (keys) other steps add to, which sum in float32.
-    keep_local = _local_call_is_whole(plan, local_len)
+    # As in the forward: with disjoint local calls, their dq (dK/dV) stand as the kernel
+    # returned them except on the rows (keys) other steps add to, which sum in float32.
+    keep_local = _local_calls_are_disjoint(plan)
     if keep_local:
         dq_rows = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks)
         home_keys = _hull(plan.steps[t].home_span for t in chain_ends)
         grads = dq_acc = own_dkv = None
+        if not plan.steps[0].tasks:
+            grads = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     else:
         dq_rows, home_keys = (0, local_len), (0, local_len)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -184,13 +211,22 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale, softcap=softcap
             )
             if t == 0 and keep_local:
-                grads = tuple(g.to(x.dtype).contiguous() for g, x in zip((dq_t, dk_t, dv_t), (q, k, v)))
-                dq_acc = _rows(grads[0], *dq_rows).to(acc)  # (the rows themselves for float64)
-                own_dkv = tuple(_rows(g, *home_keys).to(acc) for g in grads[1:])
+                whole = (task.q_start, task.q_end, task.k_start, task.k_end) == (0, local_len, 0, k.shape[2])
+                if grads is None:
+                    grads = tuple(_whole_or_zeros(g, x.shape, x.dtype, whole)
+                                  for g, x in zip((dq_t, dk_t, dv_t), (q, k, v)))
+                if not whole:
+                    grads[0][qs] = dq_t
+                    grads[1][ks] = dk_t
+                    grads[2][ks] = dv_t
                 continue
             _rows(dq_acc, task.q_start, task.q_end, dq_rows[0]).add_(dq_t)
             block_grads.append((ks, dk_t, dv_t))
             del dq_t, dk_t, dv_t
+        if t == 0 and keep_local:
+            # the local calls are all in: float32 only for the rows and keys others add to
+            dq_acc = _rows(grads[0], *dq_rows).to(acc)  # (the rows themselves for float64)
+            own_dkv = tuple(_rows(g, *home_keys).to(acc) for g in grads[1:])
         if t == 0:
             travelling = own_dkv  # the own block's gradients never leave
         else:
