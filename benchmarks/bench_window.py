@@ -13,7 +13,11 @@ ranks (the slowest rank sets the step time):
                   rank standing in for the received blocks), with the same LSE merges, and no
                   communication: the floor the ring can reach
   full causal     dtcp.ring_attention(..., layout=Zigzag(), is_causal=True): no window
+  one GPU         the whole sequence on one GPU with the best kernel for the window (FA4 where
+                  installed): the issue's target is windowed <= 1.1 x this / N
 
+The windowed and full causal calls run `--strategy` (default "ring": with "auto" the cost
+model may pick Ulysses or the all-gather, and the "windowed ring" line would time those).
 Targets: windowed / local <= 1.2, full causal / windowed >= 5. Before timing, a small
 correctness check runs the windowed ring with the chosen backend against backend="math"
 (fp32 accumulate) on a short sequence with odd window sizes, including right > 0.
@@ -31,10 +35,11 @@ import torch.distributed as dist
 
 import dtcp
 from _setup import init_distributed
-from dtcp.exec.merge import merge_into_
+from dtcp.comm.p2p import NoComm
+from dtcp.exec.ring import ring_backward, ring_forward
 from dtcp.kernels import default_scale, select_kernel
 from dtcp.layouts import Contiguous
-from dtcp.plan import AttnMask, ring_plans
+from dtcp.plan import AttnMask, Task, ring_plans
 
 
 def parse():
@@ -47,10 +52,14 @@ def parse():
     p.add_argument("--window", type=int, default=4096, help="causal window: window_size=(W, 0)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--strategy", default="ring",
+                   help="what the windowed and full causal calls run (default: the ring, which this benchmark is "
+                        "about; 'auto' lets the cost model pick, which may be another strategy)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--skip-full", action="store_true", help="skip the full causal ring (slow on CPU)")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--skip-one-gpu", action="store_true", help="skip the whole sequence on one GPU (the target's reference)")
     p.add_argument("--out", default=None, help="write results as JSON here (rank 0)")
     return p.parse_args()
 
@@ -92,27 +101,28 @@ def max_over_ranks(x: float, device) -> tuple[float, list[float]]:
 
 
 def local_compute(q, k, v, dout, plan, kernel, scale):
-    """The windowed plan's kernel calls and merges on this rank's own K/V, no communication."""
-    acc = torch.float32
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-    for step in plan.steps:
-        for t in step.tasks:
-            qs, ks = (slice(None), slice(None), slice(t.q_start, t.q_end)), (slice(None), slice(None), slice(t.k_start, t.k_end))
-            o, l = kernel.forward(q[qs], k[ks], v[ks], t.lo, t.hi, scale)
-            merge_into_(out_acc[qs], lse_acc[qs], o, l)
-    out = out_acc.to(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for step in plan.steps:
-        for t in step.tasks:
-            qs, ks = (slice(None), slice(None), slice(t.q_start, t.q_end)), (slice(None), slice(None), slice(t.k_start, t.k_end))
-            a, b, c = kernel.backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse_acc[qs], t.lo, t.hi, scale)
-            dq[qs] += a
-            dk[ks] += b
-            dv[ks] += c
-    return out, dq, dk, dv
+    """The windowed plan's kernel calls, merges and float32 accumulation on this rank's own K/V
+    (its own spans standing in for the received ones): the ring's own loops with no
+    communication (dtcp.exec.ring with NoComm)."""
+    out, lse = ring_forward(q, k, v, plan, kernel, scale, NoComm())
+    return (out,) + ring_backward(dout, q, k, v, out, lse, plan, kernel, scale, NoComm())
+
+
+def one_gpu_whole_sequence(args, device, dtype, hkv, scale):
+    """The whole sequence on this one GPU with the best kernel for the window (FA4 where
+    installed): the reference of the issue's target, time <= 1.1 x this / N."""
+    s_len, w = args.seq_len, args.window
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, do = (torch.randn(1, h, s_len, args.head_dim, generator=g).to(device, dtype)
+                   for h in (args.heads, hkv, hkv, args.heads))
+    task = Task(0, s_len, 0, s_len, -w, 0)
+    kernel = select_kernel("auto" if args.backend == "auto" else args.backend, q, k, [task])
+
+    def step():
+        o, lse = kernel.forward(q, k, v, task.lo, task.hi, scale)
+        kernel.backward(do, q, k, v, o, lse, task.lo, task.hi, scale)
+
+    return kernel.name, step
 
 
 def check_small(device, dtype, backend, heads, kv_heads, head_dim):
@@ -161,7 +171,8 @@ def main():
     def ring(layout, win):
         for t in leaf:
             t.grad = None
-        o = dtcp.ring_attention(*leaf, layout=layout, is_causal=True, window_size=win, enable_gqa=gqa, backend=args.backend)
+        o = dtcp.ring_attention(*leaf, layout=layout, is_causal=True, window_size=win, enable_gqa=gqa, backend=args.backend,
+                                strategy=args.strategy)
         o.backward(dout)
 
     # what the windowed ring does: plan, kernel, communication
@@ -175,12 +186,17 @@ def main():
                grad_blocks_sent=st.grad_rounds, grad_bytes_sent=st.grad_bytes_sent,
                rank0_tasks=[[(t.q_start, t.q_end, t.k_start, t.k_end, t.lo, t.hi) for t in s.tasks] for s in plan.steps])
     scale = default_scale(args.head_dim)
+    block = k.numel() * k.element_size() + v.numel() * v.element_size()
 
     times = {}
     times["windowed_ring"] = timer(lambda: ring(dtcp.Contiguous(), window), args.warmup, args.iters)
     times["local_compute"] = timer(lambda: local_compute(q, k, v, dout, plan, kernel, scale), args.warmup, args.iters)
     if not args.skip_full:
         times["full_causal_ring_zigzag"] = timer(lambda: ring(dtcp.Zigzag(), None), args.warmup, args.iters)
+    if not args.skip_one_gpu:
+        del leaf, q, k, v, dout  # room for the whole sequence
+        res["one_gpu_kernel"], whole = one_gpu_whole_sequence(args, device, dtype, hkv, scale)
+        times["one_gpu_whole_sequence"] = timer(whole, args.warmup, args.iters)
     res["ms"], res["ms_per_rank"] = {}, {}
     for key, t in times.items():
         res["ms"][key], res["ms_per_rank"][key] = max_over_ranks(t, device)
@@ -188,23 +204,28 @@ def main():
     res["windowed_over_local"] = ms["windowed_ring"] / ms["local_compute"]
     if "full_causal_ring_zigzag" in ms:
         res["speedup_vs_full_causal"] = ms["full_causal_ring_zigzag"] / ms["windowed_ring"]
+    if "one_gpu_whole_sequence" in ms:
+        res["windowed_over_one_gpu_share"] = ms["windowed_ring"] / (ms["one_gpu_whole_sequence"] / n)
 
     if rank == 0:
         print(f"dtcp sliding-window ring attention: {n} ranks, {device.type}, {args.dtype}, B=1, H={args.heads}, "
               f"Hkv={hkv}, D={args.head_dim}, S={args.seq_len} (M={m}/rank), window ({args.window}, 0), kernel {kernel.name}")
-        print(f"per rank, one fwd+bwd: K/V blocks sent {res['kv_blocks_sent_fwd_bwd']} "
-              f"({res['kv_bytes_sent_fwd_bwd'] / 2**20:.1f} MiB), dK/dV blocks sent {res['grad_blocks_sent']} "
-              f"({res['grad_bytes_sent'] / 2**20:.1f} MiB)")
+        print(f"strategy {args.strategy}; rank 0, one fwd+bwd: K/V sent in {res['kv_blocks_sent_fwd_bwd']} rounds "
+              f"{res['kv_bytes_sent_fwd_bwd'] / 2**20:.3f} MiB (a whole K+V block is {block / 2**20:.3f} MiB), "
+              f"dK/dV in {res['grad_blocks_sent']} rounds {res['grad_bytes_sent'] / 2**20:.3f} MiB")
         if "check_rel_err_vs_math" in res:
             print(f"check vs backend='math' (short sequence): max rel err {res['check_rel_err_vs_math']:.2e}")
         print(f"{'fwd+bwd, max over ranks':<44}{'ms':>10}")
         for key, label in (("windowed_ring", "windowed ring (contiguous)"), ("local_compute", "local compute only (same kernels, no comm)"),
-                           ("full_causal_ring_zigzag", "full causal ring (zigzag)")):
+                           ("full_causal_ring_zigzag", "full causal ring (zigzag)"),
+                           ("one_gpu_whole_sequence", f"one GPU, whole sequence ({res.get('one_gpu_kernel')})")):
             if key in ms:
                 print(f"{label:<44}{ms[key]:>10.3f}")
         print(f"{'windowed / local compute (target <= 1.2)':<44}{res['windowed_over_local']:>10.3f}")
         if "speedup_vs_full_causal" in res:
             print(f"{'full causal / windowed (target >= 5)':<44}{res['speedup_vs_full_causal']:>10.2f}")
+        if "windowed_over_one_gpu_share" in res:
+            print(f"{'windowed / (one GPU / N) (target <= 1.1)':<44}{res['windowed_over_one_gpu_share']:>10.3f}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=2)
