@@ -82,7 +82,7 @@ class ContractCopyEngine:
         pass
 
 
-def ring_over_contract(dtype_name, backward, window):
+def ring_over_contract(dtype_name, backward, window, v_head_dim=8):
     from dtcp.exec import route as route_mod
 
     dtype = getattr(torch, dtype_name)
@@ -102,7 +102,8 @@ def ring_over_contract(dtype_name, backward, window):
         layout = dtcp.Contiguous() if window else dtcp.Zigzag()
         s = 16 * n
         gen = torch.Generator().manual_seed(3)
-        q, k, v, dout = (torch.randn(2, h, s, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2, 4))
+        q, k, v, dout = (torch.randn(2, h, s, d, generator=gen, dtype=torch.float64)
+                         for h, d in ((4, 8), (2, 8), (2, v_head_dim), (4, v_head_dim)))
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
         mask = None
         if window:
@@ -121,9 +122,9 @@ def ring_over_contract(dtype_name, backward, window):
     finally:
         route_mod.copy_engine_ring = saved
     (engine,) = engines
-    kv_local_bytes = 2 * local[1].numel() * local[1].element_size()
+    kv_local_bytes = sum(t.numel() * t.element_size() for t in local[1:])
     return {"errs": errs, "events": engine.events, "kv_bytes": kv_local_bytes,
-            "grad_bytes": 2 * local[1].numel() * 4 if dtype != torch.float64 else kv_local_bytes}
+            "grad_bytes": sum(t.numel() * 4 for t in local[1:]) if dtype != torch.float64 else kv_local_bytes}
 
 
 @pytest.mark.parametrize("dtype_name", ["float64", "bfloat16"])
@@ -189,3 +190,13 @@ def test_wait_tracker_times_a_wait_from_when_the_gpu_reaches_it():
         pass
     assert ev.made == 2 and waits.pending[0][:2] in ([before, after], [after, before])
     assert waits.pending[0][0] not in ev.reached  # re-recorded events start not done
+
+
+@pytest.mark.parametrize("v_head_dim", [16, 4])
+def test_slots_hold_a_value_head_dim_of_its_own(v_head_dim):
+    """V wider (or narrower) than K: the K/V and dK/dV slots are sized for K and V each (they
+    were sized for two Ks, which a wider V overflows)."""
+    for r in run_ranks(2, ring_over_contract, "bfloat16", True, None, v_head_dim, timeout=120):
+        sized = {kind: max(e[2] for e in r["events"] if e[0] == "ensure" and e[1] == kind) for kind in ("kv", "grad")}
+        assert sized["kv"] >= r["kv_bytes"] and sized["grad"] >= r["grad_bytes"], (sized, r)
+        assert max(r["errs"].values()) < 2e-2, r["errs"]

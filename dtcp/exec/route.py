@@ -117,17 +117,19 @@ class Route:
     def head_comm_group(self):
         return self.head_state.comm_group()
 
-    def ring_comm(self, q: torch.Tensor, k: torch.Tensor, backward: bool) -> RingComm:
-        """The ring's exchange on q's device, its copy-engine slots sized for this route's K/V (and,
-        for a backward, float32 dK/dV) before the first exchange. Collective on first use."""
+    def ring_comm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> RingComm:
+        """The ring's exchange on q's device, its copy-engine slots sized for this route's K and V
+        (and, for a backward, float32 dK/dV) before the first exchange. Collective on first use."""
         state, device = self.seq_state, q.device
         comm = state.rings.get(device)
         if comm is None:
             comm = state.rings[device] = RingComm(state, device, copy_engine_ring(state, device))
         if comm.copy_engine is not None:  # (no-ops once the slots are large enough)
-            comm.copy_engine.ensure("kv", 2 * _aligned_nbytes(k))
+            # K and V each (a value head dim of its own makes V larger or smaller than K)
+            comm.copy_engine.ensure("kv", _aligned_nbytes(k) + _aligned_nbytes(v))
             if backward:
-                comm.copy_engine.ensure("grad", 2 * _aligned_nbytes(k, acc_dtype(k.dtype)))
+                acc = acc_dtype(k.dtype)
+                comm.copy_engine.ensure("grad", _aligned_nbytes(k, acc) + _aligned_nbytes(v, acc))
         return comm
 
 
@@ -283,7 +285,7 @@ def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sink
     if r == 1:
         exchanges = ("allgather", "ring")  # one rank: nothing moves; the all-gather plan takes varlen in one call
     else:
-        gathered_kv_bytes = 2 * k_h.numel() * k.element_size() * r
+        gathered_kv_bytes = (k_h.numel() * k.element_size() + v_h.numel() * v.element_size()) * r
         exchanges = exchange_candidates("auto", inner, u * local_len, r, q.device.type, gathered_kv_bytes,
                                         config.allgather_max_bytes)
     error = None
@@ -306,7 +308,7 @@ def strategy_candidates(requested: str, q, k, v, args: CallArgs, problem: _Probl
     if requested != "auto":
         return (requested,)
     if q.device.type != "cuda" or problem.world_size == 1:
-        gathered_kv_bytes = 2 * k.numel() * k.element_size() * problem.world_size
+        gathered_kv_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * problem.world_size
         return exchange_candidates("auto", problem.layout, q.shape[2], problem.world_size, q.device.type,
                                    gathered_kv_bytes, config.allgather_max_bytes)
     return auto_order(q, k, v, args, problem)[0]
@@ -460,7 +462,7 @@ def run_forward(route: Route, q, k, v, scale: float, keep_gathered_kv: bool = Fa
         if route.heads is not None:
             result = _heads_forward(route, q, k, v, scale, keep_gathered_kv, sink)
         else:
-            comm = route.ring_comm(q, k, backward=False) if _has_ring(route.plan) else None
+            comm = route.ring_comm(q, k, v, backward=False) if _has_ring(route.plan) else None
             result = _forward(route, route.plan, q, k, v, scale, keep_gathered_kv, comm, sink)
         _end_of_call(route, q)
         return result
@@ -475,7 +477,7 @@ def run_backward(route: Route, dout, q, k, v, out, lse, scale: float, gathered_k
         if route.heads is not None:
             dq, dk, dv, dsinks = _heads_backward(route, dout, q, k, v, out, lse, scale, gathered_kv, sinks)
         else:
-            comm = route.ring_comm(q, k, backward=True) if _has_ring(route.plan) else None
+            comm = route.ring_comm(q, k, v, backward=True) if _has_ring(route.plan) else None
             dq, dk, dv = _backward(route, route.plan, dout, q, k, v, out, lse, scale, gathered_kv, comm)
             dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         _end_of_call(route, dout)
@@ -506,7 +508,7 @@ def _sink_heads(route: Route, sink: Optional[torch.Tensor]) -> Optional[torch.Te
 def _heads_forward(route: Route, q, k, v, scale, keep: bool, sink):
     heads, pg = route.heads, route.head_comm_group()
     q_h, k_h, v_h = to_heads([(q, heads.q), (k, heads.kv), (v, heads.kv)], heads, pg)
-    comm = route.ring_comm(q_h, k_h, backward=False) if _has_ring(route.plan) else None
+    comm = route.ring_comm(q_h, k_h, v_h, backward=False) if _has_ring(route.plan) else None
     # (Ulysses: the inner "gather" over one rank is a local copy, not worth keeping twice)
     keep_inner = keep and route.seq_state is not None
     out_h, lse_h, inner_kept = _forward(route, route.plan, q_h, k_h, v_h, scale, keep_inner, comm,
@@ -526,7 +528,7 @@ def _heads_backward(route: Route, dout, q, k, v, out, lse, scale, kept: Optional
     else:
         (dout_h,) = to_heads([(dout, heads.q)], heads, pg)
         q_h, k_h, v_h, out_h, lse_h, inner_kept = kept.q, kept.k, kept.v, kept.out, kept.lse, kept.inner
-    comm = route.ring_comm(q_h, k_h, backward=True) if _has_ring(route.plan) else None
+    comm = route.ring_comm(q_h, k_h, v_h, backward=True) if _has_ring(route.plan) else None
     dq_h, dk_h, dv_h = _backward(route, route.plan, dout_h, q_h, k_h, v_h, out_h, lse_h, scale, inner_kept, comm)
     # Replicated K/V heads (Hkv < U) come back from several ranks and are summed: in float32 for
     # half inputs, as dK/dV are everywhere else.
