@@ -159,19 +159,18 @@ class _Counted:
     def __init__(self, kernel, mode):
         self.kernel, self.mode = kernel, mode
 
-    def forward(self, *a, **kw):
+    def _unseen(self, method, *a, **kw):
         self.mode.in_kernel = True
         try:
-            return self.kernel.forward(*a, **kw)
+            return method(*a, **kw)
         finally:
             self.mode.in_kernel = False
 
+    def forward(self, *a, **kw):
+        return self._unseen(self.kernel.forward, *a, **kw)
+
     def backward(self, *a, **kw):
-        self.mode.in_kernel = True
-        try:
-            return self.kernel.backward(*a, **kw)
-        finally:
-            self.mode.in_kernel = False
+        return self._unseen(self.kernel.backward, *a, **kw)
 
 
 def _accumulator_bytes(monkeypatch, whole_path: bool, mask=None) -> int:
