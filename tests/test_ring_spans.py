@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtcp
 from dist_harness import run_ranks
-from dtcp.plan import AttnMask, ring_plans, segments_from_cu_seqlens
+from dtcp.plan import AttnMask, RingPlan, ring_plans, segments_from_cu_seqlens
 from reference import reference_attention, rel_err, window_doc_mask
 
 LAYOUTS = [dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(1)]
@@ -179,7 +179,7 @@ def _accumulator_bytes(monkeypatch, whole_path: bool, mask=None) -> int:
     from dtcp.kernels.math import MathKernel
 
     if whole_path:  # the path every schedule took before: float32 over every row and key
-        monkeypatch.setattr(ring, "_local_calls_are_disjoint", lambda plan: False)
+        monkeypatch.setattr(RingPlan, "local_calls_disjoint", property(lambda plan: False))
     local_len = 256
     plan = ring_plans(dtcp.Contiguous(), local_len, 2, True, mask or AttnMask.make(True, (16, 0)))[1]
     g = torch.Generator().manual_seed(0)

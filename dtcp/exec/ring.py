@@ -1,8 +1,11 @@
 """The ring itself: forward and backward loops over a `RingPlan`, on plain tensors.
 
-Forward: Q stays; K/V blocks travel one rank per step. The next block's transfer is issued
-before the current block's kernels so communication overlaps compute. Partial results merge into
-float32 (out, lse) accumulators (float64 for float64 inputs).
+Forward: Q stays; K/V blocks travel one rank per step, each with only the keys its holders use
+(its span, dtcp/plan/ring.py). The next block's transfer is issued before the current block's
+kernels so communication overlaps compute. Partial results merge into float32 (out, lse)
+accumulators (float64 for float64 inputs); when the local block's kernel calls are disjoint (one
+call, or one per document), only the rows later blocks reach get one, and the rest keep the
+local call's result as the kernel returned it.
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
@@ -15,7 +18,8 @@ of a chain the accumulator is sent home, so each rank ends with the gradients of
 backward sends exactly as many dK/dV blocks as K/V blocks.
 
 Buffers: the caller's K/V are sent as they are and never written; two spare K/V buffers and two
-dK/dV buffers alternate (copy-engine slots reused across calls, else allocated once per call).
+dK/dV buffers, sized for the largest span received, alternate (copy-engine slots reused across
+calls, else allocated once per call); each round receives into a view fitted to its span.
 `comm=NoComm()` runs the same kernels and merges with no communication (the benchmarks' ideal).
 """
 
@@ -34,25 +38,6 @@ def _covers_all_rows(step, local_len: int) -> bool:
     return len(step.tasks) == 1 and step.tasks[0].q_start == 0 and step.tasks[0].q_end == local_len
 
 
-def _hull(ranges) -> tuple[int, int]:
-    """The smallest [start, end) holding every non-empty range of `ranges`; (0, 0) when none."""
-    ranges = [(a, b) for a, b in ranges if b > a]
-    return (min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges else (0, 0)
-
-
-def _local_calls_are_disjoint(plan: RingPlan) -> bool:
-    """Do the local step's kernel calls touch pairwise disjoint rows and pairwise disjoint keys
-    (one call over the whole block, or one per document)? Then each row's (key's) local result
-    comes from one call and stands as the kernel returned it wherever no other step adds to it."""
-    tasks = plan.steps[0].tasks
-
-    def disjoint(ranges) -> bool:
-        ranges = sorted(ranges)
-        return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
-
-    return disjoint([(t.q_start, t.q_end) for t in tasks]) and disjoint([(t.k_start, t.k_end) for t in tasks])
-
-
 def _whole_or_zeros(result: torch.Tensor, shape, dtype, covers_all: bool) -> torch.Tensor:
     """The tensor the local calls' results are written into: the one call's own result when it
     covers everything (contiguous, in `dtype`), else zeros (rows no call touches: padding)."""
@@ -62,13 +47,9 @@ def _whole_or_zeros(result: torch.Tensor, shape, dtype, covers_all: bool) -> tor
 
 
 def _rows(x: torch.Tensor, start: int, end: int, origin: int = 0) -> torch.Tensor:
-    """x[:, :, start - origin:end - origin]: rows [start, end) of a tensor holding rows from `origin`."""
-    return x[:, :, start - origin:end - origin]
-
-
-def _keys(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
-    """x[:, :, start:end]: the keys of a span of a (B, H, L, D) block."""
-    return x if span == (0, x.shape[2]) else x[:, :, span[0]:span[1]]
+    """x[:, :, start - origin:end - origin]: rows (keys) [start, end) of a (B, H, L, D) tensor
+    holding them from `origin`. A view; contiguous when it is all of x."""
+    return x[seq_slice(start - origin, end - origin)]
 
 
 def _shapes(like, span_len: int) -> list[tuple]:
@@ -102,19 +83,22 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # once, as on one GPU), and the float32 accumulator covers only the rows later steps merge
     # into: under a window of W < L tokens the first W rows, not all L (at 64K tokens and 32
     # heads that is GiBs less memory traffic).
-    keep_local = sink is None and _local_calls_are_disjoint(plan)
-    merged = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks) if keep_local else (0, local_len)
+    keep_local = sink is None and plan.local_calls_disjoint
+    merged = plan.merged_rows if keep_local else (0, local_len)
+
+    def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
+        return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+
     out = out_acc = lse_acc = None
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
-        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
 
     for t, step in enumerate(plan.steps):
         works = None
         if t < plan.num_rounds:
             works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
         if not moves:
-            cur = tuple(_keys(x, step.span) for x in local)
+            cur = tuple(_rows(x, *step.span) for x in local)
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
@@ -122,8 +106,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                 whole = _covers_all_rows(step, local_len)
                 if out is None:  # contiguous, as the op's fake promises
                     out = _whole_or_zeros(o, out_shape, q.dtype, whole)
-                    lse_acc = l.to(acc).contiguous() if whole else torch.full(
-                        q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+                    lse_acc = l.to(acc).contiguous() if whole else no_keys_lse()
                 if not whole:
                     out[qs] = o
                     lse_acc[qs] = l
@@ -136,15 +119,13 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                 lse_acc = l.to(acc).contiguous()
                 continue
             if out_acc is None:
-                out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
-                lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+                out_acc, lse_acc = torch.zeros(out_shape, dtype=acc, device=q.device), no_keys_lse()
             merge_into_(_rows(out_acc, task.q_start, task.q_end, merged[0]), lse_acc[qs], o, l)
         if works is not None:
             comm.wait(works)
             cur = nxt
     if out_acc is None and not keep_local:  # no task at all: every row is padding
-        out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out_acc, lse_acc = torch.zeros(out_shape, dtype=acc, device=q.device), no_keys_lse()
     comm.finish()
     if sink is not None:
         apply_sink_(out_acc, lse_acc, sink)
@@ -163,7 +144,7 @@ def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
     at every hop), or at the start of a chain this rank's own block's span. Returns (what
     comm.wait takes, the receive views: step t + 1's span of the next block)."""
     nxt_step = plan.steps[t + 1]
-    send = [_keys(x, nxt_step.home_span) for x in local] if plan.starts_chain(t + 1) else list(cur)
+    send = [_rows(x, *nxt_step.home_span) for x in local] if plan.starts_chain(t + 1) else list(cur)
     nxt = comm.fit(spare[t % 2], _shapes(local, nxt_step.span_len), "kv")
     return comm.exchange(send, nxt, nxt_step.shift, "kv", t % 2), nxt
 
@@ -177,13 +158,12 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(_slot_like(local, plan), "kv") if rounds else []
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
-    chain_ends = [t for t in range(1, rounds + 1) if moves and (t == rounds or plan.starts_chain(t + 1))]
     # As in the forward: with disjoint local calls, their dq (dK/dV) stand as the kernel
     # returned them except on the rows (keys) other steps add to, which sum in float32.
-    keep_local = _local_calls_are_disjoint(plan)
+    keep_local = plan.local_calls_disjoint
     if keep_local:
-        dq_rows = _hull((t.q_start, t.q_end) for s in plan.steps[1:] for t in s.tasks)
-        home_keys = _hull(plan.steps[t].home_span for t in chain_ends)
+        dq_rows = plan.merged_rows
+        home_keys = plan.returned_keys if moves else (0, 0)  # (NoComm: nothing comes home)
         grads = dq_acc = own_dkv = None
         if not plan.steps[0].tasks:
             grads = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -203,7 +183,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         if t < rounds:
             kv_works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
         if not moves:
-            cur = tuple(_keys(x, step.span) for x in local)
+            cur = tuple(_rows(x, *step.span) for x in local)
         block_grads = []  # this step's dK/dV for the span held, per task
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -243,7 +223,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             travelling[1][ks] += dv_t
         del block_grads
         if t > 0 and moves:
-            if t not in chain_ends:
+            if t not in plan.chain_ends:
                 # Pass it on to the block's next holder; it arrives while that rank computes. We
                 # receive the accumulator of the block we hold next.
                 incoming = grad_slot((t + 1) % 2, plan.steps[t + 1].span_len)

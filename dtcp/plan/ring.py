@@ -23,7 +23,7 @@ what it received as it is, and its dK/dV travel back with the same span.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 from ..layouts import Layout
@@ -63,11 +63,36 @@ class RingPlan:
         """Communication rounds of K/V: one fewer than the steps."""
         return len(self.steps) - 1
 
-    @property
+    # Derived once per plan (plans are cached by value) rather than on every ring call.
+    @cached_property
     def max_span_len(self) -> int:
         """The most keys of a block this rank receives in one round, K/V or dK/dV coming home
         (0: none)."""
         return max((max(s.span_len, s.home_span[1] - s.home_span[0]) for s in self.steps[1:]), default=0)
+
+    @cached_property
+    def chain_ends(self) -> tuple[int, ...]:
+        """The steps that end a chain: there the held block's dK/dV go home."""
+        rounds = self.num_rounds
+        return tuple(t for t in range(1, rounds + 1) if t == rounds or self.starts_chain(t + 1))
+
+    @cached_property
+    def local_calls_disjoint(self) -> bool:
+        """Do the local step's kernel calls touch pairwise disjoint rows and pairwise disjoint
+        keys (one call over the whole block, or one per document)? Then each row's (key's) local
+        result comes from one call."""
+        tasks = self.steps[0].tasks
+        return _disjoint([(t.q_start, t.q_end) for t in tasks]) and _disjoint([(t.k_start, t.k_end) for t in tasks])
+
+    @cached_property
+    def merged_rows(self) -> tuple[int, int]:
+        """The hull of the rows the steps after the local one touch: (0, 0) when none."""
+        return _hull((t.q_start, t.q_end) for s in self.steps[1:] for t in s.tasks)
+
+    @cached_property
+    def returned_keys(self) -> tuple[int, int]:
+        """The hull of this rank's own keys whose dK/dV come home at the chains' ends."""
+        return _hull(self.steps[t].home_span for t in self.chain_ends)
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -77,6 +102,17 @@ class RingPlan:
         """Does step t's block come straight from its home rank (whose sender sends its own,
         local K/V) rather than forwarded by the previous holder?"""
         return t > 0 and self.steps[t].shift != self.steps[t - 1].shift
+
+
+def _hull(ranges) -> tuple[int, int]:
+    """The smallest [start, end) holding every non-empty range of `ranges`; (0, 0) when none."""
+    ranges = [(a, b) for a, b in ranges if b > a]
+    return (min(a for a, _ in ranges), max(b for _, b in ranges)) if ranges else (0, 0)
+
+
+def _disjoint(ranges) -> bool:
+    ranges = sorted(ranges)
+    return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def ring_plan(layout: Layout, local_len: int, world_size: int, rank: int, is_causal: bool,
@@ -113,8 +149,7 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
         spans = {}
         for b in range(n):
             for shift, offsets in chains.items():
-                used = [(t.k_start, t.k_end) for d in offsets for t in table[(b + d) % n, d % n]]
-                spans[b, shift] = (min(a for a, _ in used), max(e for _, e in used)) if used else (0, 0)
+                spans[b, shift] = _hull((t.k_start, t.k_end) for d in offsets for t in table[(b + d) % n, d % n])
         return spans
 
     def round_keys(split, spans) -> int:
