@@ -87,3 +87,10 @@ def error_messages_of(cases: dict) -> dict:
         else:
             messages[name] = None
     return messages
+
+
+def assert_each_error_names_its_fix(messages: dict, expected: dict) -> None:
+    """Every case of `expected` raised, and its message contains the expected words."""
+    for name, needle in expected.items():
+        assert messages[name] is not None, f"{name}: no error raised"
+        assert needle in messages[name], (name, messages[name])
