@@ -26,7 +26,7 @@ from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
 from .layouts import (
-    DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
+    Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
 
@@ -68,7 +68,8 @@ def ring_attention(
             group); for strategy="hybrid" a 2-D DeviceMesh (ring dim, Ulysses dim) or a pair
             (ring_group, ulysses_group), CP rank = ring rank * U + Ulysses rank.
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
-            dtcp.DocZigzag(doc_lens)).
+            dtcp.DocZigzag(doc_lens), dtcp.Balanced(doc_lens): packed documents with equal tokens
+            and equal causal work per rank; it carries its documents, which are then the mask).
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
@@ -136,6 +137,13 @@ def ring_attention(
             # document structure every batch is a new input, not a new graph. The op checks the
             # padded length against the values.
             layout_spec, cu_seqlens = "doczigzag", layout.cu_seqlens
+        elif isinstance(layout, Balanced):
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: a Balanced layout carries its documents (they are the mask and decide "
+                                 "the placement); pass cu_seqlens=None")
+            layout.check(q.shape[2] * n, n)
+            # As for DocZigzag: only the boundaries tensor reaches the op and the compiled graph.
+            layout_spec, cu_seqlens = "balanced", layout.cu_seqlens
         else:
             layout.check(q.shape[2] * n, n)
             layout_spec = layout.spec()
@@ -247,8 +255,8 @@ def explain(
     n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
-    if isinstance(layout, DocZigzag):
-        layout_spec, cu_values = "doczigzag", tuple(layout.cu_seqlens.tolist())
+    if isinstance(layout, (DocZigzag, Balanced)):
+        layout_spec, cu_values = layout.name, tuple(layout.cu_seqlens.tolist())
     else:
         layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
     args = CallArgs("", layout_spec, bool(is_causal), default_scale(q.shape[-1]), "auto", left, right, "auto")

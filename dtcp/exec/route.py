@@ -37,7 +37,7 @@ from ..comm.p2p import RingComm
 from ..config import config
 from ..errors import DtcpError, PeerFailedError, PeerTimeoutError
 from ..kernels import Kernel, acc_dtype, select_kernel
-from ..layouts import DocZigzag, Layout, layout_from_spec
+from ..layouts import Balanced, DocZigzag, Layout, layout_from_spec
 from ..plan import (
     AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
     allgather_reason, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans, row_cu_seqlens,
@@ -240,6 +240,13 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
         layout: Layout = DocZigzag.from_cu_seqlens(cu_values)
         layout.check(seq_len, n)
         row_segments = (layout.segments(n),) * batch
+    elif args.layout == "balanced":  # the documents are the mask and decide the placement
+        if cu_values is None:
+            raise ValueError("layout 'balanced' needs the documents: pass layout=dtcp.Balanced(doc_lens) "
+                             "(or Balanced.from_cu_seqlens(cu_seqlens))")
+        layout = Balanced.from_cu_seqlens(cu_values)
+        layout.check(seq_len, n)
+        row_segments = (segments_from_cu_seqlens(cu_values, seq_len),) * batch
     else:
         layout = layout_from_spec(args.layout)
         layout.check(seq_len, n)
