@@ -23,6 +23,12 @@ def fa2_window_reason(q_len: int, k_len: int, band, name: str) -> Optional[str]:
     if band.hi is not None and right >= k_len and band.hi < k_len - 1:
         return (f"{name} drops a right window >= the key length, and band ({band.lo}, {band.hi}) on a "
                 f"{q_len}x{k_len} block needs it")
+    if band.lo is not None and left >= 0 and right < 0 and q_len > k_len + 1:
+        # A left window with no right bound becomes right = seqlen_k inside FA2, which binds when q
+        # is longer than k (row 0 then stops before the last key; measured on H100: a 300x20
+        # sequence under window (0, -1) gave a non-finite lse).
+        return (f"{name} turns an unbounded right window into seqlen_k, which cuts band ({band.lo}, None) on a "
+                f"{q_len}x{k_len} block")
     return None
 
 
