@@ -902,10 +902,12 @@ def plot(results: dict, path: str) -> None:
                     label=f"{strategy} / {layout}" + ("" if len(heads) == 1 else f" ({h})"))
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
+        ns = sorted({p["world_size"] for p in mine})
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_title(case)
         ax.set_xlabel("N simulated ranks")
         ax.set_ylabel("split = (one device / N) / slowest rank")
-        ax.set_ylim(0, 1.15)
+        ax.set_ylim(0, min(2.0, max(1.15, 1.05 * max(p["split"] for p in mine))))
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(cases):]:
         ax.axis("off")
