@@ -65,6 +65,7 @@ def test_json_has_every_field(results):
         assert a["pick"] in ("ring", "allgather", "ulysses") and a["within_5pct"] in (True, False), a
     summary = on_disk["auto_summary"]
     assert summary["points"] == len(on_disk["auto"]) and 0 <= summary["fraction"] <= 1
+    assert on_disk["meta"]["complete"]
 
 
 def test_balanced_slowest_rank_has_less_work_than_zigzag_on_a_long_tailed_mix(results):
