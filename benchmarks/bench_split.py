@@ -87,7 +87,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
@@ -706,7 +706,8 @@ def main(argv=None) -> dict:
     fa4_status = KERNELS["fa4"].feature_reason(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype),
                                                None, None, False)
     results = dict(
-        meta=dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        meta=dict(device=str(device),
+                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, dtype=str(dtype).replace("torch.", ""), head_dim=args.head_dim,
                   seq_scale=args.seq_scale, world_sizes=list(world_sizes), strategies=list(strategies),
                   warmup=args.warmup, iters=args.iters, point_seconds=args.point_seconds, quick=args.quick,
@@ -798,17 +799,18 @@ def main(argv=None) -> dict:
             _write(results, args.out)  # after every case: a run stopped from outside keeps what it measured
 
     within = [a["within_5pct"] for a in results["auto"] if a.get("within_5pct") is not None]
+    uncounted = len(results["auto"]) - len(within)
     ratios = [a["pick_over_best"] for a in results["auto"] if "pick_over_best" in a]
     results["auto_summary"] = dict(points=len(within), within_5pct=sum(within),
                                    fraction=(sum(within) / len(within)) if within else None,
                                    worst_pick_over_best=max(ratios) if ratios else None,
-                                   not_counted=len(results["auto"]) - len(within))
+                                   not_counted=uncounted)
     results["meta"]["elapsed_s"] = time.perf_counter() - start
     print(f"\nauto's pick within 5% of the best measured 1-D strategy (slowest rank, fwd+bwd): "
           f"{sum(within)} of {len(within)} points"
           f"{'' if not within else f' ({100 * sum(within) / len(within):.0f}%; target >= 90%)'}"
           f"{'' if not ratios else f', worst pick {max(ratios):.3f}x the best'}"
-          f"{'' if not results['auto_summary']['not_counted'] else ', not counted: ' + str(results['auto_summary']['not_counted'])}")
+          f"{'' if not uncounted else f', not counted (pick not measured): {uncounted}'}")
     if results["errors"]:
         print(f"{len(results['errors'])} point(s) FAILED:")
         for e in results["errors"]:
