@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import dtcp
 from dist_harness import run_ranks
-from dtcp.layouts.balanced import TOLERANCE, balanced_placement
+from dtcp.layouts.balanced import MIN_CHUNK, TOLERANCE, balanced_placement
 from reference import exact_err, reference_attention, window_doc_mask
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
@@ -50,7 +50,7 @@ def causal_work(runs, docs):
 @pytest.mark.parametrize("seed", range(4))
 def test_every_token_once_equal_tokens_balanced_work(world_size, seed):
     docs = pareto_docs(1024 * world_size, seed, floor=16)
-    placement = balanced_placement(docs, world_size)
+    placement = balanced_placement(docs, world_size, min_chunk=1)
     seen = sorted(g for runs in placement for a, b in runs for g in range(a, b))
     assert seen == list(range(sum(docs)))
     for runs in placement:
@@ -58,6 +58,24 @@ def test_every_token_once_equal_tokens_balanced_work(world_size, seed):
         assert all(x[1] < y[0] for x, y in zip(runs, runs[1:]))  # increasing global order, merged
     work = [causal_work(runs, docs) for runs in placement]
     assert max(work) * world_size / sum(work) <= 1 + TOLERANCE, work
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_no_chunk_below_the_minimum(world_size):
+    """With the default minimum, short documents are never cut into 2N pieces: a document lies on
+    one rank or, filling the room left, on consecutive ranks."""
+    docs = pareto_docs(1024 * world_size, 0, floor=16)
+    assert max(docs) < 2 * world_size * MIN_CHUNK
+    placement = balanced_placement(docs, world_size)
+    holders = {}
+    for r, runs in enumerate(placement):
+        for a, b in runs:
+            for i, (ds, de) in enumerate(_segments(docs)):
+                if max(a, ds) < min(b, de):
+                    holders.setdefault(i, set()).add(r)
+    for ranks in holders.values():
+        assert max(ranks) - min(ranks) + 1 == len(ranks)  # consecutive ranks only
+    assert sum(len(r) - 1 for r in holders.values()) <= world_size - 1
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -95,6 +113,7 @@ def test_spec_round_trip_and_errors():
 # ---- exactness on ranks ------------------------------------------------------------------------------
 
 def balanced_errors(docs, strategy, window=(-1, -1), heads=(4, 2), d=8, backend="auto"):
+    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too: the cut path runs
     n = dist.get_world_size()
     layout = dtcp.Balanced(tuple(docs))
     s = sum(docs)

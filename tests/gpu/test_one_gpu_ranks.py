@@ -72,7 +72,8 @@ CASES = [  # (name, layout for n ranks, documents, window)
 @pytest.mark.parametrize("backend", ["fa4", "flash"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("name,make_layout,docs,window", CASES, ids=[c[0] for c in CASES])
-def test_ring_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window):
+def test_ring_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window, monkeypatch):
+    monkeypatch.setattr(dtcp.layouts.balanced, "MIN_CHUNK", 64)  # S = 4096: let long documents be cut
     kernel = KERNELS[backend]
     g = torch.Generator(device="cuda").manual_seed(0)
     full = [torch.randn(1, h, S, D, device="cuda", generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]
