@@ -27,7 +27,7 @@ each band-masked block on the rows that see a key and the keys some row sees, wh
 >= 0, row 0 sees key 0 and the last row the last key (exact by construction; a strictly-lower band
 (None, -1) becomes FA4's causal kernel). The rows left out get out 0 and lse -inf (the sink, with a
 sink); the keys left out get dK = dV = 0. Varlen calls cannot be cut so; sequences whose first rows
-see no key are refused there (the per-task schedule, or flash's varlen launch, serves them).
+see no key are refused there (the per-task schedule serves them; flash refuses them too).
 
 Head dims: on Hopper, FA4 4.0.0b36's backward returns a wrong dq (and GQA dk/dv) for head dims
 <= 128 that round up to an odd number of 16s (16, 48, 80, 112: measured on H200), so those are
