@@ -15,8 +15,8 @@ has one bottom-right aligned window for all its sequences. So:
    the accumulators without a merge of its own).
 
 Pure Python over the plan's integers; executors (dtcp/exec/ring.py) gather the rows and keys.
-`fused_launches` decides whether a plan runs so, and `launch_count` counts what it launches
-(the cost model's launches, dtcp/plan/cost.py).
+`fused_launches` decides whether a plan runs so (exec/fused.py runs it; exec/route.py counts its
+launches for the cost model, dtcp/plan/cost.py).
 """
 
 from __future__ import annotations
@@ -191,11 +191,3 @@ def fused_launches(plan, refuse=None):
         return None
     return steps
 
-
-def launch_count(plan, one_launch: bool, refuse=None) -> int:
-    """Kernel launches of one pass (the forward, or the backward) of a rank's RingPlan: the fused
-    plan's where the kernel has a one-launch varlen form and dtcp.config.ring_one_launch is on
-    (`one_launch`; `refuse`: the kernel's reject_varlen_reason), else one per task. What
-    dtcp/exec/fused.py's fused_steps runs, counted without a device."""
-    fused = fused_launches(plan, refuse) if one_launch else None
-    return len(plan.tasks) if fused is None else sum(map(len, fused))
