@@ -29,6 +29,7 @@ from .layouts import (
     Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
+from .plan.cost import machine_for
 
 
 def ring_attention(
@@ -243,10 +244,13 @@ def explain(
     backward: bool = True,
 ) -> str:
     """What ``strategy="auto"`` picks for this call on CUDA, and why: the cost model's predicted
-    time of every strategy the call allows (dtcp/plan/cost.py), fastest first. Takes the shards a
+    time of every strategy the call allows (dtcp/plan/cost.py), fastest first, with the kernel
+    each runs on and its launches per pass on the rank that launches most. Takes the shards a
     ``ring_attention`` call would get (q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D/Dv); only
-    their shapes, dtype and device matter: meta tensors work) and the same mask arguments; makes
-    no communication. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
+    their shapes, dtype and device matter) and the same mask arguments; makes no communication.
+    Meta tensors stand for the GPU the cost model's machine describes: kernels are chosen as on
+    CUDA with its compute capability (``Machine.compute_capability``), FlashAttention-4 counted
+    as installed. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
     else the shipped H200 NVLink figures. On CPU, "auto" takes the ring whatever the model says.
 
     Returns a multi-line report; its first line is ``auto -> <strategy>``."""
@@ -266,10 +270,15 @@ def explain(
     lines = [f"auto -> {choice}{why}  ({'forward + backward' if backward else 'forward'}, {n} ranks, "
              f"q {tuple(q.shape)}, k {tuple(k.shape)}, {layout!r}, causal={is_causal}, window=({left}, {right}))"]
     for p in preds:
-        lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms, "
-                     f"communication {p.comm_s * 1e3:.3f} ms of which exposed {p.exposed_comm_s * 1e3:.3f} ms)")
+        lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms "
+                     f"on {p.kernel} x {p.launches} launches, communication {p.comm_s * 1e3:.3f} ms of which "
+                     f"exposed {p.exposed_comm_s * 1e3:.3f} ms)")
     if not preds:
         lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
+    elif q.device.type == "meta":
+        cc = machine_for(config.cost_machine).compute_capability
+        lines.append(f"  (meta tensors: kernels as on a CUDA GPU of compute capability {cc[0]}.{cc[1]}, "
+                     "FlashAttention-4 counted as installed)")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import torch
 from ..config import config
 from ..kernels import Kernel, VarlenSeqs
 from ..plan import RingPlan
-from ..plan.fuse import Launch, step_launches
+from ..plan.fuse import Launch, fused_launches
 from .allgather import bounded_put
 from .merge import merge_into_
 
@@ -50,13 +50,11 @@ def fused_steps(plan: RingPlan, kernel: Kernel, device: torch.device) -> Optiona
     hit = _FUSED.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    # keys counted from the held span's start, as the ring holds them
-    steps = tuple(tuple(_from(launch, step.span[0]) for launch in step_launches(step.tasks)) for step in plan.steps)
+    steps = fused_launches(plan, kernel.reject_varlen_reason)
     fused = None
-    if sum(map(len, steps)) < len(plan.tasks) and all(
-        kernel.reject_varlen_reason(launch.seq_lens, launch.window) is None for launches in steps for launch in launches
-    ):
-        fused = tuple(tuple(_indexed(launch, device) for launch in launches) for launches in steps)
+    if steps is not None:  # keys counted from the held span's start, as the ring holds them
+        fused = tuple(tuple(_indexed(_from(launch, step.span[0]), device) for launch in launches)
+                      for step, launches in zip(plan.steps, steps))
     bounded_put(_FUSED, key, (plan, fused))
     return fused
 

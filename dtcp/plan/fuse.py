@@ -15,12 +15,14 @@ has one bottom-right aligned window for all its sequences. So:
    the accumulators without a merge of its own).
 
 Pure Python over the plan's integers; executors (dtcp/exec/ring.py) gather the rows and keys.
+`fused_launches` decides whether a plan runs so (exec/fused.py runs it; exec/route.py counts its
+launches for the cost model, dtcp/plan/cost.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import bisect
 
@@ -169,3 +171,23 @@ def step_launches(tasks) -> tuple[Launch, ...]:
             layer.sort()
             launches.append(Launch(window, tuple((a, b) for a, b, _, _ in layer), tuple((c, d) for _, _, c, d in layer)))
     return tuple(launches)
+
+
+@lru_cache(maxsize=512)
+def plan_launches(plan) -> tuple[tuple[Launch, ...], ...]:
+    """Each step's launches (step_launches) of a RingPlan, keys counted as its tasks count them."""
+    return tuple(step_launches(step.tasks) for step in plan.steps)
+
+
+def fused_launches(plan, refuse=None):
+    """plan_launches(plan) where running them is worth it, else None (the plan runs task by
+    task): None where fusing saves no launch, or where `refuse(seq_lens, window)` (a kernel's
+    reject_varlen_reason) gives a reason for one of the launches."""
+    steps = plan_launches(plan)
+    if sum(map(len, steps)) >= len(plan.tasks):
+        return None
+    if refuse is not None and any(refuse(launch.seq_lens, launch.window) is not None
+                                  for launches in steps for launch in launches):
+        return None
+    return steps
+
