@@ -7,17 +7,28 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ...layouts import Layout
 
 
 class _Active:
-    """What the attention function needs inside a block: the group, the layout, the options, and
-    a write-only flag saying a "dtcp" attention call ran (write-only, so torch.compile replays it
-    as a side effect without guarding on its value)."""
+    """What the attention function needs inside a block: the group, the layout, the options, the
+    current batch's global document boundaries and shard shape, and a write-only flag saying a
+    "dtcp" attention call ran (write-only, so torch.compile replays it as a side effect without
+    guarding on its value).
+
+    The boundaries live here, not only in the model's keyword arguments, because a model may drop
+    ``**kwargs`` on the way from its forward to its attention modules (some decoder layers call
+    ``self.self_attn(hidden_states, ...)`` without them): the attention function would then attend
+    across documents, silently."""
 
     def __init__(self, group, layout: Layout, backend: str, strategy: str):
         self.group, self.layout, self.backend, self.strategy = group, layout, backend, strategy
         self.seen = False
+        # set by the block for each batch (None when the block was given no batch)
+        self.cu_seqlens: Optional[torch.Tensor] = None   # (K,) int32 global boundaries over B*S, or None
+        self.shard: Optional[tuple[int, int]] = None     # (B, S/N): the shape every attention call's rows have
 
 
 ACTIVE: Optional[_Active] = None

@@ -56,7 +56,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         # HF: key j is visible to query i when i - W < j <= i (W keys, the query's own included):
         # dtcp's window_size=(W - 1, 0).
         window = (int(sliding_window) - 1, 0)
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = _boundaries(state, query, kwargs.get("cu_seq_lens_q"))
     out = ring_attention(
         query, key, value, state.group, layout=state.layout, is_causal=bool(causal), scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1], backend=state.backend, window_size=window, cu_seqlens=cu,
@@ -64,6 +64,31 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     )
     state.seen = True
     return out.transpose(1, 2).contiguous(), None
+
+
+def _boundaries(state: _state._Active, query: torch.Tensor, cu_kwarg: Optional[torch.Tensor]):
+    """The global document boundaries of this attention call: the block's (its state), whether or
+    not the model forwarded them to the attention module; the model's ``cu_seq_lens_q`` keyword,
+    when it arrives, must be the block's own. Without a batch given to the block, the keyword."""
+    if state.shard is None:
+        return cu_kwarg
+    bsz, local = state.shard
+    if query.shape[0] != bsz or query.shape[2] != local:
+        raise ValueError(
+            f"attn_implementation='dtcp' inside dtcp.integrations.transformers.context_parallel got query of batch "
+            f"{query.shape[0]} and length {query.shape[2]}, but the block sharded a batch of {bsz} rows into "
+            f"{local} tokens per rank: this attention call is not over the block's shard (a second sequence, a "
+            "cache, or inputs other than cp.inputs), so dtcp cannot say which tokens it attends to across ranks. "
+            "Call model(**cp.inputs) with the batch given to the block, and nothing else inside the block."
+        )
+    if cu_kwarg is not None and cu_kwarg is not state.cu_seqlens:
+        raise ValueError(
+            "attn_implementation='dtcp' inside dtcp.integrations.transformers.context_parallel got cu_seq_lens_q "
+            "that are not the block's document boundaries: pass the packed batch (position_ids, cu_seq_lens_q or "
+            "attention_mask) to the block, which computes the global boundaries, and call model(**cp.inputs) "
+            "without adding cu_seq_lens_q of your own."
+        )
+    return state.cu_seqlens
 
 
 def _local_attention(module, q, k, v, mask, dropout, scaling, sliding_window, softcap, s_aux, causal):

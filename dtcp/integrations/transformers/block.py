@@ -195,6 +195,11 @@ def context_parallel(
         raise RuntimeError("dtcp.integrations.transformers.context_parallel blocks do not nest")
     state = _state.state_for(pg, layout, backend, strategy)
     state.seen = False
+    # The batch's boundaries and shard shape go to the attention function through the block's
+    # state, so that they reach it even when the model does not forward **kwargs to its layers.
+    state.cu_seqlens = inputs.get("cu_seq_lens_q")
+    rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    state.shard = (int(rows.shape[0]), int(rows.shape[1])) if batch is not None else None
     marker = _grad_marker(model)
     _state.ACTIVE = state
     clean = False
@@ -206,6 +211,7 @@ def context_parallel(
         clean = True
     finally:
         _state.ACTIVE = None
+        state.cu_seqlens = state.shard = None
     if clean and not state.seen:
         raise RuntimeError(
             f"no attn_implementation='{ATTN_IMPLEMENTATION}' attention call ran inside "
