@@ -14,7 +14,8 @@ Each case ends as one of: ``exact`` (max abs logits error < 1e-10), ``refused`` 
 raised; the first line of the message is shown), or a failure: ``WRONG`` (an answer beyond
 1e-10), ``ONE-RANK`` (only some ranks raised), ``HANG``. Architectures that do not build from the
 tiny config (or whose forward fails in one process too) are counted apart as ``unbuilt``.
-The reference's softmax runs in float64 (HF's eager softmax casts to float32).
+Casts of float64 tensors to float32 (HF's eager softmax, RMSNorms, routers) are skipped in both
+runs (`_f64_everywhere`), so that the comparison is float64 throughout.
 """
 
 from __future__ import annotations
@@ -44,7 +45,35 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
             n_shared_experts=1, ffn_hidden_size=64, d_model=32, d_ff=64)
 
 
-def _f64_softmax():
+def _f64_everywhere():
+    """Keep float64 models in float64: HF's eager softmax (dtype=float32), RMSNorms and routers
+    (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``) cast to float32, which turns float64 rounding differences
+    (the packed reference runs each document alone: other shapes, other summation orders) into
+    float32 ones. Applied to the reference and to dtcp alike."""
+    if getattr(torch.Tensor.to, "_f64", False):
+        return
+    to, flt, typ = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
+    low = (torch.float32, torch.float16, torch.bfloat16)
+
+    def to_f64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            if kwargs.get("dtype") in low:
+                kwargs.pop("dtype")
+            args = tuple(a for a in args if not (isinstance(a, torch.dtype) and a in low))
+            if not args and not kwargs:
+                return self
+        return to(self, *args, **kwargs)
+
+    def float_f64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else flt(self, *args, **kwargs)
+
+    def type_f64(self, dtype=None, *args, **kwargs):
+        if self.dtype == torch.float64 and dtype in low:
+            return self
+        return typ(self, dtype, *args, **kwargs) if dtype is not None else typ(self)
+
+    to_f64._f64 = True
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to_f64, float_f64, type_f64
     softmax = F.softmax
 
     def softmax_f64(x, dim=None, _stacklevel=3, dtype=None):
@@ -112,8 +141,9 @@ def reference_logits(model, kind: str, batch):
         if kind == "plain":
             return model(**batch, use_cache=False).logits
         out, start = [], 0
-        for n in DOCS:
-            out.append(model(input_ids=batch["input_ids"][:, start:start + n], use_cache=False).logits)
+        for n in DOCS:   # each document alone, with the positions the packed row gives it
+            out.append(model(input_ids=batch["input_ids"][:, start:start + n],
+                             position_ids=batch["position_ids"][:, start:start + n], use_cache=False).logits)
             start += n
         return torch.cat(out, 1)
 
@@ -130,7 +160,7 @@ def case(model_type: str, kind: str) -> dict:
 
     import dtcp.integrations.transformers as dtcp_hf
 
-    _f64_softmax()
+    _f64_everywhere()
     transformers.logging.set_verbosity_error()
     try:
         ref = build(model_type, "eager")

@@ -49,10 +49,16 @@ def make_config(name: str):
                                                    num_local_experts=4, num_experts_per_tok=2,
                                                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
                                                                     "factor": 4.0, "original_max_position_embeddings": 64})
+    if name == "llama4":                 # chunked attention (chunk 12: across shard pieces), then a NoPE full layer
+        return t.Llama4ForCausalLM, t.Llama4TextConfig(**COMMON, attention_chunk_size=12, intermediate_size_mlp=64,
+                                                       num_local_experts=2, interleave_moe_layer_step=2,
+                                                       layer_types=["chunked_attention", "full_attention"],
+                                                       no_rope_layers=[1, 0])
     raise KeyError(name)
 
 
-MODELS = ["llama", "mistral_small_window", "mistral_large_window", "qwen2", "gemma2", "gemma3", "gpt_oss"]
+MODELS = ["llama", "mistral_small_window", "mistral_large_window", "qwen2", "gemma2", "gemma3", "gpt_oss", "llama4"]
+DOC_ALONE = ("gpt_oss", "llama4")   # packed references: each document on its own (see `reference`)
 
 
 def _eager_f64(module, *args, **kwargs):
@@ -79,6 +85,28 @@ def _gemma_norm_f64(self, x):
 
 transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm.forward = _gemma_norm_f64
 transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm.forward = _gemma_norm_f64
+def _llama4_rope_f64(xq, xk, freqs_cis):
+    """models/llama4's apply_rotary_emb without its cast of q and k to float32 (the packed
+    reference runs each document alone, where float64 rounding differs and float32 amplifies it)."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    return (torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3).type_as(xk))
+
+
+def _llama4_router_f64(self, hidden_states):
+    """models/llama4's Llama4Router without its float32 sigmoid."""
+    logits = F.linear(hidden_states, self.weight)
+    top, idx = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, idx, top)
+    return torch.sigmoid(scores), logits
+
+
+_llama4 = transformers.models.llama4.modeling_llama4
+_llama4.apply_rotary_emb = _llama4_rope_f64
+_llama4.Llama4Router.forward = _llama4_router_f64
+_llama4.Llama4TextRMSNorm.forward = lambda self, x: self._norm(x) * self.weight
+_llama4.Llama4TextL2Norm.forward = lambda self, x: self._norm(x)
 transformers.AttentionInterface.register("eager_f64", _eager_f64)
 transformers.AttentionMaskInterface.register("eager_f64", transformers.masking_utils.eager_mask)
 REF = "eager_f64"
@@ -177,9 +205,10 @@ def reference(ref, name: str, kind: str, batch):
     """(logits, stock loss, f64 loss) of the one-process model, and its parameter gradients (of
     the f64 loss). Packed documents for gpt-oss: each document on its own (transformers' eager and
     sdpa gpt-oss do not pass position_ids to their mask builder, so they do not isolate documents;
-    dtcp does, as flash_attention_2 does)."""
+    dtcp does, as flash_attention_2 does). Llama 4 too: transformers lays its chunks on the row's
+    positions, dtcp counts them from each document's start (the chunks a document sees alone)."""
     ref.zero_grad()
-    if kind.startswith("packed") and name == "gpt_oss":
+    if kind.startswith("packed") and name in DOC_ALONE:
         ids, labels = batch["input_ids"], batch["labels"]
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
         count = (shift != -100).sum()

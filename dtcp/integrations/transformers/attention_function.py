@@ -60,10 +60,24 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     out = ring_attention(
         query, key, value, state.group, layout=state.layout, is_causal=bool(causal), scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1], backend=state.backend, window_size=window, cu_seqlens=cu,
-        strategy=state.strategy, softcap=softcap or None, sinks=s_aux,
+        strategy=state.strategy, softcap=softcap or None, sinks=s_aux, chunk_size=_chunk_size(module),
     )
     state.seen = True
     return out.transpose(1, 2).contiguous(), None
+
+
+def _chunk_size(module: torch.nn.Module) -> Optional[int]:
+    """The chunk length of a chunked-attention layer (Llama 4: ``config.layer_types[layer_idx] ==
+    "chunked_attention"``, ``config.attention_chunk_size``), else None. transformers passes the
+    chunking to its attention functions only as a mask, which dtcp does not take: the layer type is
+    read from the module's config (`block.check_model` checks that every chunked layer's module
+    exposes it)."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] == "chunked_attention":
+        return int(config.attention_chunk_size)
+    return None
 
 
 def _boundaries(state: _state._Active, query: torch.Tensor, cu_kwarg: Optional[torch.Tensor]):

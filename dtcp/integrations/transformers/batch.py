@@ -66,8 +66,28 @@ def _cu_seqlens(starts: list[list[int]], seq: int) -> Optional[torch.Tensor]:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
-def prepare_batch(batch: Mapping[str, Any], group, layout: Layout) -> tuple[dict, Optional[str], dict]:
+def _model_positions(model, batch: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    """The position ids `model` would make itself from the full batch, for models whose embeddings
+    do not count from 0 (RoBERTa's family: ``padding_idx + 1 + arange``, padding tokens at
+    ``padding_idx``, made by the embeddings' own ``create_position_ids_from_input_ids`` /
+    ``create_position_ids_from_inputs_embeds``). None for every other model (``arange(S)``)."""
+    if model is None:
+        return None
+    for module in model.modules():
+        pad = getattr(module, "padding_idx", None)
+        make = getattr(module, "create_position_ids_from_input_ids", None)
+        if callable(make) and isinstance(pad, int):
+            if isinstance(batch.get("input_ids"), torch.Tensor):
+                return make(batch["input_ids"], pad)
+            make_embeds = getattr(module, "create_position_ids_from_inputs_embeds", None)
+            if callable(make_embeds) and isinstance(batch.get("inputs_embeds"), torch.Tensor):
+                return make_embeds(batch["inputs_embeds"], pad)
+    return None
+
+
+def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -> tuple[dict, Optional[str], dict]:
     """The model's keyword arguments for this rank, from the full batch (see `context_parallel`).
+    `model` (optional): the model, for position ids it makes its own way (`_model_positions`).
 
     Returns (inputs, error, fields): `error` is a message (the same on every rank given the same
     batch) or None; `fields` describe the batch for the ranks' agreement."""
@@ -97,7 +117,11 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout) -> tuple[dict
     starts: list[list[int]] = [[] for _ in range(bsz)]
     pos = batch.get("position_ids")
     if pos is None:
-        pos = torch.arange(seq, device=ids.device).unsqueeze(0)
+        # the model would number the tokens of its forward (this rank's shard): number the whole
+        # sequence instead, by the model's own rule where it has one
+        pos = _model_positions(model, batch)
+        if pos is None:
+            pos = torch.arange(seq, device=ids.device).unsqueeze(0)
     elif not _is_seq_tensor(pos, bsz, seq):
         return {}, f"position_ids must be (B, S) or (1, S) with S={seq}; got {tuple(pos.shape)}", fields
     else:

@@ -20,7 +20,7 @@ from . import _state
 from .attention_function import ATTN_IMPLEMENTATION
 from .batch import prepare_batch
 
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 _LOCAL_MAX_ROPE = ("dynamic", "longrope")
 
 
@@ -67,11 +67,26 @@ def check_model(model: torch.nn.Module) -> Optional[str]:
         other = sorted({t for t in types if t not in _LAYER_TYPES})
         if other:
             return (f"{type(c).__name__}.layer_types contains {other}: layers that mix tokens without an attention "
-                    "call (linear attention, state-space, chunked attention) cannot be split over the sequence by "
-                    "dtcp. Only models whose layers are full_attention or sliding_attention are supported.")
-        if getattr(c, "attention_chunk_size", None):
-            return (f"{type(c).__name__}.attention_chunk_size={c.attention_chunk_size}: chunked attention is not "
-                    "supported under context parallelism (set attention_chunk_size=None or run without CP).")
+                    "call (linear attention, state-space) cannot be split over the sequence by dtcp. Only models "
+                    "whose layers are full_attention, sliding_attention or chunked_attention are supported.")
+        chunk = getattr(c, "attention_chunk_size", None)
+        if "chunked_attention" in types and not (isinstance(chunk, int) and chunk > 0):
+            return (f"{type(c).__name__}.layer_types has chunked_attention layers but attention_chunk_size={chunk!r}: "
+                    "set attention_chunk_size to the chunk length (a positive int).")
+        if "chunked_attention" in types:
+            # dtcp's attention function reads the layer type from the attention module's config
+            # and layer_idx (transformers hands it the chunking only as a mask): every chunked
+            # layer needs an attention module (one with is_causal) that exposes them.
+            seen = {m.layer_idx for m in model.modules()
+                    if getattr(m, "config", None) is c and hasattr(m, "is_causal") and isinstance(getattr(m, "layer_idx", None), int)}
+            missing = [i for i, t in enumerate(types) if t == "chunked_attention" and i not in seen]
+            if missing:
+                return (f"{type(c).__name__}.layer_types has chunked_attention layers {missing} whose attention module "
+                        "does not expose .config and .layer_idx: dtcp's attention function could not tell that they "
+                        "are chunked (it would attend across chunks). Give the attention modules these attributes.")
+        if chunk and "chunked_attention" not in types:
+            return (f"{type(c).__name__}.attention_chunk_size={chunk} without chunked_attention in layer_types: dtcp "
+                    "cannot tell which layers are chunked. Set layer_types (or attention_chunk_size=None).")
         rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
         bad = sorted(set(_rope_types(rope)) & set(_LOCAL_MAX_ROPE))
         if bad:
@@ -84,6 +99,26 @@ def check_model(model: torch.nn.Module) -> Optional[str]:
                     "has no dropout. Set config.attention_dropout = 0.0.")
     return None
 
+
+def check_model_for_length(model: torch.nn.Module, seq_len: int) -> Optional[str]:
+    """Why `model` cannot run a sequence of `seq_len` tokens under context parallelism, or None.
+
+    Llama 4's NoPE layers with ``attn_temperature_tuning`` scale each query by
+    ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``, with p = ``arange`` over the tokens of
+    the forward (models/llama4, Llama4TextAttention): the rank's shard, not the global positions.
+    The scale is 1 for every p < floor_scale - 1, so sequences shorter than floor_scale are exact."""
+    for c in _configs(getattr(model, "config", None)):
+        if not getattr(c, "attn_temperature_tuning", False):
+            continue
+        nope = [i for i, rope in enumerate(getattr(c, "no_rope_layers", None) or ()) if not rope]
+        floor_scale = getattr(c, "floor_scale", None)
+        if nope and isinstance(floor_scale, (int, float)) and seq_len >= floor_scale:
+            return (f"{type(c).__name__}.attn_temperature_tuning=True: its NoPE layers {nope} scale queries by their "
+                    "position counted over the tokens of the forward (this rank's shard under context parallelism, "
+                    f"not the global position), which changes the scale from floor_scale={floor_scale} tokens on; "
+                    f"the sequence has {seq_len}. Use sequences shorter than {floor_scale} tokens, or set "
+                    "config.attn_temperature_tuning = False (and check it against your checkpoint).")
+    return None
 
 
 # ---- the front ----------------------------------------------------------------------------------------
@@ -172,7 +207,10 @@ def context_parallel(
     inputs, fields = {}, {}
     if error is None and batch is not None:
         try:
-            inputs, error, fields = prepare_batch(batch, pg, layout)
+            inputs, error, fields = prepare_batch(batch, pg, layout, model)
+            if error is None:
+                rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
+                error = check_model_for_length(model, int(rows.shape[1]) * cp_size_and_rank(pg)[0])
         except Exception as e:  # noqa: BLE001 - posted to the other ranks, then raised here
             error, exc = f"{type(e).__name__}: {e}", e
         else:
