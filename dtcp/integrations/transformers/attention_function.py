@@ -47,6 +47,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
             "is exact and has no dropout. Set the model's attention_dropout to 0.0 (config.attention_dropout = 0.0)."
         )
     window = None
+    sliding_window = _sliding_window(module, sliding_window)
     if sliding_window is not None:
         if not causal:
             raise ValueError(
@@ -64,6 +65,26 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     )
     state.seen = True
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sliding_window(module: torch.nn.Module, passed: Optional[int]) -> Optional[int]:
+    """The layer's sliding window: the one transformers passed, else the one its mask carries.
+    Some models (PhiMoE) put ``config.sliding_window`` only into the mask (masking_utils'
+    create_sliding_window_causal_mask, chosen when the config has a window) and never pass it to
+    the attention function, which dtcp does not take masks from: read it from the config, for
+    layers that ``layer_types`` marks sliding, or for every layer of a model without
+    ``layer_types`` (the mask's rule)."""
+    if passed is not None:
+        return passed
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types:
+        return window if isinstance(idx, int) and 0 <= idx < len(types) and types[idx] == "sliding_attention" else None
+    return window
 
 
 def _chunk_size(module: torch.nn.Module) -> Optional[int]:
