@@ -50,6 +50,7 @@ def ring_attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     kv_exchange: Optional[str] = None,
+    chunk_size: Optional[int] = None,
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -108,6 +109,10 @@ def ring_attention(
             once per row after merging the ring's blocks; gradients flow to it (each rank's rows'
             share, like any parameter's under context parallelism: sum it over the group, e.g.
             with FSDP over the cp ranks). Rows that see no key at all stay out 0, lse 0.
+        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): tokens attend only
+            within consecutive chunks of `chunk_size` tokens, counted from the start of the
+            sequence, or of each document with `cu_seqlens` (a document sees the chunks it would
+            see alone). Intersected with the causal mask, the window and the documents. None: none.
 
     Returns:
         out (B, Hq, S_local, Dv), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
@@ -130,6 +135,7 @@ def ring_attention(
             scale = default_scale(q.shape[-1])
         left, right = resolve_window(window_size, layout, is_causal)
         _check_cu_seqlens(cu_seqlens)
+        chunk = _check_chunk_size(chunk_size)
         if isinstance(layout, DocZigzag):
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: a DocZigzag layout carries its documents (and their padding); "
@@ -154,7 +160,7 @@ def ring_attention(
                 _tell_peers(g, group_size(g), e)
         raise
     args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right,
-                    strategy, softcap, "" if head_pg is None else _compat.name_of_group(head_pg))
+                    strategy, softcap, "" if head_pg is None else _compat.name_of_group(head_pg), chunk)
     out, lse = ops.attention(q, k, v, args, cu_seqlens, cp_rank, n, sinks)
     return (out, lse.detach()) if return_lse else out
 
@@ -383,6 +389,15 @@ def _check_sinks(sinks, q) -> None:
         raise ValueError(f"sinks must have one logit per query head: q has {q.shape[1]} heads, sinks has {sinks.shape[0]}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device ({q.device}); got {sinks.device}")
+
+
+def _check_chunk_size(chunk_size) -> int:
+    """0 for none; else the chunk length, a positive int."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}")
+    return int(chunk_size)
 
 
 def _check_cu_seqlens(cu_seqlens) -> None:

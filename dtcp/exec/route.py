@@ -40,7 +40,8 @@ from ..kernels import Kernel, Target, acc_dtype, select_kernel
 from ..layouts import Balanced, DocZigzag, Layout, layout_from_spec
 from ..plan import (
     AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
-    allgather_reason, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans, row_cu_seqlens,
+    allgather_reason, chunk_segments, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans,
+    row_cu_seqlens,
     segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
 from ..plan.cost import machine_for, rank as rank_strategies
@@ -66,6 +67,7 @@ class CallArgs:
     strategy: str
     softcap: float = 0.0  # 0: none
     head_group_name: str = ""  # the Ulysses group of a 2-D mesh ("": the call's group is 1-D)
+    chunk_size: int = 0  # chunked attention: within chunks of this many tokens of each document (0: none)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -152,7 +154,7 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
-           args.head_group_name)
+           args.head_group_name, args.chunk_size)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -214,7 +216,7 @@ def _signature(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state
         "dtype": str(q.dtype), "device type": q.device.type, "layout": args.layout,
         "is_causal": str(args.is_causal), "scale": repr(args.scale), "window_size": str(args.window),
         "cu_seqlens": digest(cu_values), "strategy": args.strategy, "backend": args.backend,
-        "softcap": repr(args.softcap), "sinks": str(sinks_shape),
+        "softcap": repr(args.softcap), "sinks": str(sinks_shape), "chunk_size": str(args.chunk_size),
     }
 
 
@@ -255,6 +257,10 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
             row_segments = (None,) * batch
         else:
             row_segments = tuple(segments_from_cu_seqlens(c, seq_len) for c in row_cu_seqlens(cu_values, batch, seq_len))
+    if args.chunk_size:
+        # Chunks refine the documents only now, after the layout is derived: DocZigzag places
+        # whole documents (from cu_seqlens), and chunks must not move them.
+        row_segments = tuple(chunk_segments(seg, seq_len, args.chunk_size) for seg in row_segments)
     return _Problem(layout, row_segments, n, cp_rank, u)
 
 
