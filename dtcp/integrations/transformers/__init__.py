@@ -575,3 +575,9 @@ def sum_gradients(model: torch.nn.Module, group) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
+
+
+# ---- the Trainer path (transformers.Trainer, TRL's SFTTrainer): dtcp/integrations/transformers/trainer.py ----
+from .trainer import ContextParallelConfig, ContextParallelMixin, with_context_parallel  # noqa: E402,F401
+
+__all__ += ["ContextParallelConfig", "ContextParallelMixin", "with_context_parallel"]
