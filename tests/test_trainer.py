@@ -71,7 +71,8 @@ def make_model(name: str):
         torch.manual_seed(0)
         model = transformers.MistralForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
     else:
-        model = build(name, "sdpa")   # sdpa on purpose: the trainer switches it to "dtcp"
+        # not "dtcp" on purpose: the trainer switches it (gpt-oss has no sdpa)
+        model = build(name, "eager" if name == "gpt_oss" else "sdpa")
         model.config.use_cache = False
     model.loss_function = f64_causal_lm_loss   # HF's loss casts logits to float32
     return model
@@ -138,8 +139,16 @@ def make_trainer(case: str, cp: int, out_dir: str):
 
     cls = cp_trainer.with_context_parallel(trl.SFTTrainer)
     sft_args = trl.SFTConfig(**common, packing=True, max_length=40, dataset_num_proc=None)
-    train = datasets.Dataset.from_dict({"input_ids": [d["input_ids"] for d in docs]})
-    evals = datasets.Dataset.from_dict({"input_ids": [d["input_ids"] for d in eval_docs]})
+    # documents in complementary pairs (a, 40 - a), a > 20: best-fit-decreasing packs each pair into
+    # one 40-token row, so the packed sets hold 8 and 4 rows, whole batches on one process and on
+    # 2 dp groups (an uneven split repeats rows on some dp groups only, with or without CP)
+    g = torch.Generator().manual_seed(9)
+
+    def pairs(big):
+        return [torch.randint(2, VOCAB, (k,), generator=g).tolist() for a in big for k in (a, 40 - a)]
+
+    train = datasets.Dataset.from_dict({"input_ids": pairs([21, 23, 25, 27, 29, 31, 33, 35])})
+    evals = datasets.Dataset.from_dict({"input_ids": pairs([22, 26, 30, 34])})
     return cls(model=model, args=sft_args, train_dataset=train, eval_dataset=evals, processing_class=tokenizer(),
                context_parallel=cpc)
 
