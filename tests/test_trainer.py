@@ -156,8 +156,9 @@ def make_trainer(case: str, cp: int, out_dir: str):
 class _Recorder:
     """Keeps every micro-step's loss (what training_step returns, float64) for the comparison."""
 
-    def training_step(self, *args, **kwargs):
-        loss = super().training_step(*args, **kwargs)
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.full_lengths.append(inputs["input_ids"].shape[1])
+        loss = super().training_step(model, inputs, *args, **kwargs)
         self.micro_losses.append(float(loss.detach().double()))
         return loss
 
@@ -173,8 +174,11 @@ def run_case(case: str, cp: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = make_trainer(case, cp, out)
         trainer.__class__ = type("Recorded" + type(trainer).__name__, (_Recorder, type(trainer)), {})
-        trainer.micro_losses = []
+        trainer.micro_losses, trainer.full_lengths, seen = [], [], []
+        embed = trainer.model.get_input_embeddings()
+        hook = embed.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]) if m.training else None)
         trainer.train()
+        hook.remove()
         metrics = trainer.evaluate()
         log = [h for h in trainer.state.log_history if "loss" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -185,7 +189,8 @@ def run_case(case: str, cp: int) -> dict:
         dist.all_reduce(losses)
         losses = losses / world   # Trainer's logged loss: the mean over every rank
     return {"losses": losses, "eval_loss": metrics["eval_loss"], "logged": [h["loss"] for h in log],
-            "params": params, "attn": attn, "steps": trainer.state.global_step}
+            "params": params, "attn": attn, "steps": trainer.state.global_step,
+            "lengths": list(zip(trainer.full_lengths, seen))}
 
 
 def compare(case: str):
@@ -194,6 +199,9 @@ def compare(case: str):
     got = ranks[0]
     assert ref["steps"] == got["steps"] == 2
     assert got["attn"] == "dtcp"
+    # context parallelism happened: each rank's forward saw its shard of the (padded) sequence only
+    for r in ranks:
+        assert all(local < full <= local * CP < full + 2 * CP for full, local in r["lengths"]), r["lengths"]
     assert len(ref["losses"]) == len(got["losses"]) == 2 * CASES[case][4]
     loss_err = ((got["losses"] - ref["losses"]).abs() / ref["losses"].abs()).max().item()
     eval_err = abs(got["eval_loss"] - ref["eval_loss"]) / abs(ref["eval_loss"])
@@ -215,3 +223,58 @@ def test_trainer_equals_one_process(case):
     if CASES[case][1] == "sft":
         pytest.importorskip("trl")
     compare(case)
+
+
+# ---- refusals, on every rank --------------------------------------------------------------------------------
+
+
+def refusals() -> dict:
+    """Each refused configuration's error on this rank (type: message), or 'no error'."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate.utils import ParallelismConfig
+
+    cls = cp_trainer.with_context_parallel(transformers.Trainer)
+    docs = [{"input_ids": d, "labels": list(d)} for d in documents(8, seed=7)]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = dict(output_dir=tmp, report_to=[], use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
+                    max_steps=1, disable_tqdm=True, save_strategy="no")
+        cases = {
+            "accelerate_cp_too": (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2)), 2, {}),
+            "cp_does_not_divide": ({}, 3, {}),
+            "label_smoothing": (dict(label_smoothing_factor=0.1), 2, {}),
+            "compute_loss_func": ({}, 2, dict(compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)),
+            "router_aux_loss": ({}, 2, {}),
+            "eval_with_metrics": ({}, 2, dict(compute_metrics=lambda p: {})),
+        }
+        for case, (extra, cp, kw) in cases.items():
+            try:
+                model = make_model("gpt_oss" if case == "router_aux_loss" else "llama")
+                if case == "router_aux_loss":
+                    model.config.output_router_logits = True
+                t = cls(model=model, args=transformers.TrainingArguments(**base, **extra), train_dataset=docs,
+                        eval_dataset=docs, data_collator=pad_collate, context_parallel=cp, **kw)
+                if case == "eval_with_metrics":
+                    t.evaluate()
+                out[case] = "no error"
+            except Exception as e:  # noqa: BLE001
+                out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
+NEEDLES = {
+    "accelerate_cp_too": "use one context parallelism, not both",
+    "cp_does_not_divide": "cp_size=3) must divide the world size 4",
+    "label_smoothing": "label_smoothing_factor=0.1",
+    "compute_loss_func": "compute_loss_func with dtcp",
+    "router_aux_loss": "router_aux_loss_coef=0.0",
+    "eval_with_metrics": "each rank holds its shard of the logits",
+}
+
+
+def test_refusals_raise_on_every_rank():
+    results = run_ranks(WORLD, refusals, timeout=300)
+    for case, needle in NEEDLES.items():
+        msgs = [r[case] for r in results]
+        assert all(needle in m for m in msgs), (case, msgs)
