@@ -112,6 +112,7 @@ def test_random_tasks_of_random_plans_fuse_exactly():
 def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1):
     from dtcp.kernels.math import MathKernel
     dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too
+    dtcp.exec.route.clear_routes()  # (pooled rank processes: the route read below must be this call's)
     n = dist.get_world_size()
     MathKernel.varlen_one_launch = True  # (this rank process only) the varlen loop stands in for one launch
     calls = {"launches": 0, "tasks": 0}
