@@ -16,6 +16,7 @@ import torch.distributed as dist
 import dtcp
 from dist_harness import run_ranks
 from dtcp.layouts.balanced import MIN_CHUNK, TOLERANCE, balanced_placement
+from sim_ranks import segments_of
 from reference import exact_err, reference_attention, window_doc_mask
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
@@ -70,7 +71,7 @@ def test_no_chunk_below_the_minimum(world_size):
     holders = {}
     for r, runs in enumerate(placement):
         for a, b in runs:
-            for i, (ds, de) in enumerate(_segments(docs)):
+            for i, (ds, de) in enumerate(segments_of(docs)):
                 if max(a, ds) < min(b, de):
                     holders.setdefault(i, set()).add(r)
     for ranks in holders.values():
@@ -86,16 +87,9 @@ def test_equal_documents_stay_whole(world_size):
         for a, b in runs:
             assert a % 64 == 0 and b % 64 == 0
     plan = dtcp.plan.ring_plans(dtcp.Balanced(docs), sum(docs) // world_size, world_size, True,
-                                dtcp.plan.AttnMask.make(True, (-1, -1), _segments(docs)))[0]
+                                dtcp.plan.AttnMask.make(True, (-1, -1), segments_of(docs)))[0]
     assert plan.num_rounds == 0
 
-
-def _segments(docs):
-    out, pos = [], 0
-    for n in docs:
-        out.append((pos, pos + n))
-        pos += n
-    return tuple(out)
 
 
 def test_spec_round_trip_and_errors():

@@ -19,6 +19,7 @@ import dtcp
 from dist_harness import run_ranks
 from dtcp.plan import AttnMask, Band, ring_plans
 from dtcp.plan.fuse import merge_rows, step_launches
+from sim_ranks import segments_of
 from reference import exact_err, reference_attention, window_doc_mask
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
@@ -39,13 +40,6 @@ def _pairs_of_launches(launches):
     return sorted(pairs)
 
 
-def _segments(docs):
-    out, pos = [], 0
-    for n in docs:
-        out.append((pos, pos + n))
-        pos += n
-    return tuple(out)
-
 
 PLANS = [  # (layout, documents or None, window, world size)
     (dtcp.Zigzag(), (7, 20, 5), (-1, -1), 2),
@@ -64,7 +58,7 @@ def test_launches_compute_each_pair_of_the_tasks_once(layout, docs, window, n):
     if isinstance(layout, dtcp.DocZigzag):
         seq_len, segments = layout.padded_len(n), layout.segments(n)
     else:
-        seq_len, segments = sum(docs) if docs else 48, (_segments(docs) if docs else None)
+        seq_len, segments = sum(docs) if docs else 48, (segments_of(docs) if docs else None)
     mask = AttnMask.make(True, window, segments)
     for plan in ring_plans(layout, seq_len // n, n, True, mask):
         for step in plan.steps:
@@ -101,7 +95,7 @@ def test_random_tasks_of_random_plans_fuse_exactly():
         layout = rng.choice([dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1), dtcp.Balanced(docs)])
         window = rng.choice([(-1, -1), (rng.randint(0, 12), 0), (rng.randint(0, 6), rng.randint(0, 6))])
         causal = window[1] <= 0 and rng.random() < 0.7
-        mask = AttnMask.make(causal, window, _segments(docs))
+        mask = AttnMask.make(causal, window, segments_of(docs))
         for plan in ring_plans(layout, total // n, n, causal, mask):
             for step in plan.steps:
                 assert _pairs_of_launches(step_launches(step.tasks)) == _pairs_of_tasks(step.tasks)
