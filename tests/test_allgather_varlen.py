@@ -121,10 +121,12 @@ def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 
                       dtype=torch.int32)
     local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
     kernel = KERNELS[backend] if backend != "auto" else None
-    saved = None if kernel is None else kernel.varlen_one_launch
+    # (set and restored on the class: an instance attribute left behind would shadow the class's
+    # setting for every later test in this pooled rank process)
+    saved = None if kernel is None else type(kernel).varlen_one_launch
     try:
         if one_launch:
-            kernel.varlen_one_launch = True  # the route a one-launch kernel (CUDA flash) takes
+            type(kernel).varlen_one_launch = True  # the route a one-launch kernel (CUDA flash) takes
         clear_routes()
         out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=is_causal, enable_gqa=hq != hkv,
                                        backend=backend, return_lse=True, window_size=window, cu_seqlens=cu,
@@ -136,7 +138,7 @@ def per_row_errors(layout_spec, row_cus, is_causal=True, window=None, heads=(4, 
         plan = route_for(local[0], local[1], local[2], args, tuple(cu.tolist()), "test").plan
     finally:
         if kernel is not None:
-            kernel.varlen_one_launch = saved
+            type(kernel).varlen_one_launch = saved
         clear_routes()
     # fresh contiguous outputs and gradients, as the ops' fake implementations promise (inductor
     # checks the strides of custom op outputs against them)
