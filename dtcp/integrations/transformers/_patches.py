@@ -28,9 +28,10 @@ monkeypatched; the integration registers an attention function and a mask functi
   hands them to attention functions only as a mask (5.18-5.24): ``module.config`` and
   ``module.layer_idx``; ``config.layer_types[i]`` in {"full_attention", "sliding_attention",
   "chunked_attention"}; ``config.attention_chunk_size`` (Llama 4: ``chunked_causal_mask_function``,
-  causal within chunks); ``config.sliding_window`` for models that build
-  ``create_sliding_window_causal_mask`` whenever the config has a window without passing
-  ``sliding_window=`` to the attention function (PhiMoE).
+  causal within chunks). The mask interface is called with ``local_size=sliding_window`` by
+  ``create_sliding_window_causal_mask``, ``local_size=chunk_size`` by
+  ``create_chunked_causal_mask`` and without it by ``create_causal_mask`` (and ``config=``):
+  the window of layers that pass no ``sliding_window=`` (PhiMoE).
 * Llama 4's ``attn_temperature_tuning`` (models/llama4, Llama4TextAttention): NoPE layers scale
   queries by ``log1p(floor((arange(S) + 1) / floor_scale)) * attn_scale + 1`` over the forward's
   own tokens; 1 for every position below ``floor_scale - 1``.
