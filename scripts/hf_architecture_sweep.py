@@ -21,6 +21,7 @@ runs (`_f64_everywhere`), so that the comparison is float64 throughout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -45,13 +46,12 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
             n_shared_experts=1, ffn_hidden_size=64, d_model=32, d_ff=64)
 
 
+@contextlib.contextmanager
 def _f64_everywhere():
     """Keep float64 models in float64: HF's eager softmax (dtype=float32), RMSNorms and routers
     (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``) cast to float32, which turns float64 rounding differences
     (the packed reference runs each document alone: other shapes, other summation orders) into
     float32 ones. Applied to the reference and to dtcp alike."""
-    if getattr(torch.Tensor.to, "_f64", False):
-        return
     to, flt, typ = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type
     low = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,15 +72,16 @@ def _f64_everywhere():
             return self
         return typ(self, dtype, *args, **kwargs) if dtype is not None else typ(self)
 
-    to_f64._f64 = True
-    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = to_f64, float_f64, type_f64
     softmax = F.softmax
 
     def softmax_f64(x, dim=None, _stacklevel=3, dtype=None):
         return softmax(x, dim=dim, dtype=x.dtype if x.dtype == torch.float64 else dtype)
 
-    F.softmax = softmax_f64
-    torch.nn.functional.softmax = softmax_f64
+    torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, F.softmax = to_f64, float_f64, type_f64, softmax_f64
+    try:
+        yield
+    finally:   # (the ranks may be a test suite's, shared with other tests)
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, F.softmax = to, flt, typ, softmax
 
 
 # Overrides tried in turn on top of TINY, until the model builds and runs one process: no GQA
@@ -171,6 +172,11 @@ _MESH: dict = {}
 
 def case(model_type: str, kind: str) -> dict:
     """On every rank: the one-process reference, then the block. Returns what happened here."""
+    with _f64_everywhere():
+        return _case(model_type, kind)
+
+
+def _case(model_type: str, kind: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -178,7 +184,6 @@ def case(model_type: str, kind: str) -> dict:
 
     import dtcp.integrations.transformers as dtcp_hf
 
-    _f64_everywhere()
     transformers.logging.set_verbosity_error()
     batch = batches(kind)
     for variant in VARIANTS:

@@ -88,10 +88,10 @@ ROWS = [0, 13, 32, 35, 64]      # B=2, each row with its own documents
 
 def test_chunked_every_layout_and_strategy():
     cases = []
-    for layout in ("contiguous", "zigzag", "striped:1", "striped:2", "grouped:2:zigzag"):
+    for layout in ("contiguous", "zigzag"):
         for chunk in (3, 8, 12):    # smaller than, equal to and larger than a shard of 8
             cases.append((layout, "ring", chunk, True, None, None, 1))
-        cases.append((layout, "ring", 5, True, None, DOCS, 1))
+    for layout in ("contiguous", "zigzag", "striped:1", "striped:2", "grouped:2:zigzag"):
         cases.append((layout, "ring", 6, True, (4, 0), DOCS, 1))
     cases += [
         ("contiguous", "ring", 5, False, None, DOCS, 1),            # bidirectional within chunks
@@ -101,28 +101,12 @@ def test_chunked_every_layout_and_strategy():
         ("doczigzag:9,14,5", "ring", 6, True, (3, 0), None, 1),
     ]
     for strategy in ("allgather", "ulysses"):
-        for layout in ("contiguous", "zigzag"):
-            cases += [(layout, strategy, 5, True, None, None, 1), (layout, strategy, 6, True, (4, 0), DOCS, 1),
-                      (layout, strategy, 12, True, None, ROWS, 2)]
+        cases += [("contiguous", strategy, 5, True, None, None, 1), ("zigzag", strategy, 6, True, (4, 0), DOCS, 1),
+                  ("zigzag", strategy, 12, True, None, ROWS, 2)]
     cases.append(("doczigzag:9,14,5", "ulysses", 4, True, None, None, 1))
     results = [r for rank in run_ranks(4, chunked_errors, cases, timeout=300) for r in rank]
     assert len(results) == 4 * len(cases)
     assert_exact(results)
-
-
-def chunk_of_the_whole_sequence_changes_nothing():
-    q, k, v, _ = make_inputs(1, 1, 4, 2, S, 8)
-    layout = dtcp.Zigzag()
-    local = [layout.shard(t, dim=2) for t in (q, k, v)]
-    a = dtcp.ring_attention(*local, layout=layout, is_causal=True, enable_gqa=True, chunk_size=S)
-    b = dtcp.ring_attention(*local, layout=layout, is_causal=True, enable_gqa=True)
-    return err(a, b)
-
-
-def test_chunk_as_large_as_the_sequence_is_plain_attention():
-    """A chunk of S tokens changes nothing: the result of no chunk_size, to float64 rounding (one
-    document [0, S) is planned apart from no documents, so the kernels' sums may differ in order)."""
-    assert max(run_ranks(2, chunk_of_the_whole_sequence_changes_nothing)) < 1e-12
 
 
 def hybrid_errors():

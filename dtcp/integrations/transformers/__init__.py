@@ -1,4 +1,4 @@
-"""dtcp as the context parallelism of Hugging Face transformers causal LMs (transformers >=5.23,<5.24,
+"""dtcp as the context parallelism of Hugging Face transformers causal LMs (transformers >=5.18,<5.25,
 ``pip install "dtcp[transformers]"``).
 
 Importing this module registers an attention implementation and a mask function named ``"dtcp"``

@@ -1,8 +1,11 @@
 """The transformers internals dtcp's integration relies on, each with the release it was checked on.
 
-Checked on transformers 5.23.0 with torch 2.13.0+cpu. Nothing in transformers is monkeypatched;
-the integration registers an attention function and a mask function under the name "dtcp" and
-relies on these behaviours (tests/test_transformers.py checks each of them):
+Checked on transformers 5.18.0, 5.23.0 and 5.24.0 (the oldest and newest releases accepted, and
+the one the extra pins by default) with torch 2.13.0+cpu: tests/test_transformers.py passes on each
+(``pip install --no-deps --target DIR transformers==X`` put first on PYTHONPATH). 5.17 and older need
+huggingface-hub < 2 and tokenizers <= 0.23.0 and were not run. Nothing in transformers is
+monkeypatched; the integration registers an attention function and a mask function under the name
+"dtcp" and relies on these behaviours (tests/test_transformers.py checks each of them):
 
 * ``AttentionInterface.register(name, fn)`` / ``AttentionMaskInterface.register(name, fn)``
   (``modeling_utils.py``, ``masking_utils.py``): class-level registries every model consults;
@@ -21,14 +24,28 @@ relies on these behaviours (tests/test_transformers.py checks each of them):
   The model computes the loss only when ``labels`` is not None.
 * ``find_packed_sequence_indices`` (masking_utils.py): a new document starts wherever
   ``position_ids`` do not step by +1; the block uses the same rule on the full position ids.
+* Layer kinds the attention function reads from the attention module, because transformers
+  hands them to attention functions only as a mask (5.18-5.24): ``module.config`` and
+  ``module.layer_idx``; ``config.layer_types[i]`` in {"full_attention", "sliding_attention",
+  "chunked_attention"}; ``config.attention_chunk_size`` (Llama 4: ``chunked_causal_mask_function``,
+  causal within chunks). The mask interface is called with ``local_size=sliding_window`` by
+  ``create_sliding_window_causal_mask``, ``local_size=chunk_size`` by
+  ``create_chunked_causal_mask`` and without it by ``create_causal_mask`` (and ``config=``):
+  the window of layers that pass no ``sliding_window=`` (PhiMoE).
+* Llama 4's ``attn_temperature_tuning`` (models/llama4, Llama4TextAttention): NoPE layers scale
+  queries by ``log1p(floor((arange(S) + 1) / floor_scale)) * attn_scale + 1`` over the forward's
+  own tokens; 1 for every position below ``floor_scale - 1``.
+* RoBERTa-family embeddings (models/roberta and copies): without ``position_ids`` they number
+  tokens with their own ``create_position_ids_from_input_ids(input_ids, padding_idx)``
+  (``padding_idx + 1 + cumsum`` of non-padding tokens); the block calls it on the full batch.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-SUPPORTED = ">=5.23,<5.24"
-_LOW, _HIGH = (5, 23), (5, 24)
+SUPPORTED = ">=5.18,<5.25"
+_LOW, _HIGH = (5, 18), (5, 25)
 
 
 def _release(text: str) -> tuple[int, ...]:

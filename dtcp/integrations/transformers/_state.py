@@ -29,6 +29,9 @@ class _Active:
         # set by the block for each batch (None when the block was given no batch)
         self.cu_seqlens: Optional[torch.Tensor] = None   # (K,) int32 global boundaries over B*S, or None
         self.shard: Optional[tuple[int, int]] = None     # (B, S/N): the shape every attention call's rows have
+        # the sliding windows of the masks the model asked for in this block (None: a plain causal
+        # mask), in the order asked; chunked masks are not listed (see attention_function.mask)
+        self.mask_windows: tuple = ()
 
 
 ACTIVE: Optional[_Active] = None

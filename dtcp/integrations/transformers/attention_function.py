@@ -15,11 +15,12 @@ from ...api import ring_attention
 from . import _state
 
 ATTN_IMPLEMENTATION = "dtcp"
+_UNSET = object()   # sliding_window not passed at all (as opposed to passed as None: a full layer)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
-              sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+              sliding_window: Any = _UNSET, softcap: Optional[float] = None,
               s_aux: Optional[torch.Tensor] = None, is_causal: Optional[bool] = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface for ``attn_implementation="dtcp"``.
@@ -30,6 +31,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     state = _state.ACTIVE
     if state is None:
+        if sliding_window is _UNSET:
+            sliding_window = None
         out = _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                softcap, s_aux, causal)
         return out.transpose(1, 2).contiguous(), None
@@ -47,7 +50,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
             "is exact and has no dropout. Set the model's attention_dropout to 0.0 (config.attention_dropout = 0.0)."
         )
     window = None
-    sliding_window = _sliding_window(module, sliding_window)
+    sliding_window = _sliding_window(module, sliding_window, state)
     if sliding_window is not None:
         if not causal:
             raise ValueError(
@@ -67,24 +70,27 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sliding_window(module: torch.nn.Module, passed: Optional[int]) -> Optional[int]:
-    """The layer's sliding window: the one transformers passed, else the one its mask carries.
-    Some models (PhiMoE) put ``config.sliding_window`` only into the mask (masking_utils'
-    create_sliding_window_causal_mask, chosen when the config has a window) and never pass it to
-    the attention function, which dtcp does not take masks from: read it from the config, for
-    layers that ``layer_types`` marks sliding, or for every layer of a model without
-    ``layer_types`` (the mask's rule)."""
-    if passed is not None:
+def _sliding_window(module: torch.nn.Module, passed: Any, state: _state._Active) -> Optional[int]:
+    """The layer's sliding window: the one the model passed (None included: a full layer), else
+    the one of the masks the model built. Some models (PhiMoE) put their window only into the mask
+    (masking_utils' create_sliding_window_causal_mask) and pass none to the attention function,
+    which dtcp does not take masks from; others (Moshi) carry ``config.sliding_window`` and never
+    use it. The mask function records each mask's window (`mask`); when all the masks the model
+    built agree, that is the window; when they differ and the layer does not say which it uses,
+    dtcp cannot tell: raise."""
+    if passed is not _UNSET:
         return passed
-    config = getattr(module, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if _chunk_size(module) is not None:
         return None
-    types = getattr(config, "layer_types", None)
-    idx = getattr(module, "layer_idx", None)
-    if types:
-        return window if isinstance(idx, int) and 0 <= idx < len(types) and types[idx] == "sliding_attention" else None
-    return window
+    windows = set(state.mask_windows)
+    if len(windows) > 1:
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) called attn_implementation='dtcp' "
+            f"without sliding_window=, while the model built masks with different windows {sorted(windows, key=str)} "
+            "(None: full causal): dtcp takes the window from the attention call, not from the mask, and cannot tell "
+            "which this layer uses. Pass sliding_window= to the attention function in the model's attention module."
+        )
+    return next(iter(windows), None)
 
 
 def _chunk_size(module: torch.nn.Module) -> Optional[int]:
@@ -160,8 +166,18 @@ def _local_attention(module, q, k, v, mask, dropout, scaling, sliding_window, so
 def mask(*args: Any, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any):
     """transformers' mask interface for ``"dtcp"``: HF's ``sdpa_mask`` outside a block; no mask
     inside one (a 2-D padding mask there raises: give it to the block)."""
-    if _state.ACTIVE is None:
+    state = _state.ACTIVE
+    if state is None:
         return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    # masking_utils passes local_size=sliding_window for sliding masks, =chunk_size for chunked
+    # ones and nothing for causal ones: record the window (the attention function needs it for
+    # layers that get their window only from the mask)
+    local = kwargs.get("local_size")
+    config = kwargs.get("config")
+    chunked = local is not None and local == getattr(config, "attention_chunk_size", None) and \
+        "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    if not chunked:
+        state.mask_windows = state.mask_windows + (local,)
     if attention_mask is not None:
         raise ValueError(
             "attention_mask reached a model with attn_implementation='dtcp' inside "

@@ -233,6 +233,7 @@ def context_parallel(
         raise RuntimeError("dtcp.integrations.transformers.context_parallel blocks do not nest")
     state = _state.state_for(pg, layout, backend, strategy)
     state.seen = False
+    state.mask_windows = ()
     # The batch's boundaries and shard shape go to the attention function through the block's
     # state, so that they reach it even when the model does not forward **kwargs to its layers.
     state.cu_seqlens = inputs.get("cu_seq_lens_q")
