@@ -68,3 +68,8 @@ __all__ = [
     "sum_gradients",
     "SUPPORTED_TRANSFORMERS",
 ]
+
+# the Trainer path (transformers.Trainer, TRL's SFTTrainer): dtcp/integrations/transformers/trainer.py
+from .trainer import ContextParallelConfig, ContextParallelMixin, with_context_parallel  # noqa: E402
+
+__all__ += ["ContextParallelConfig", "ContextParallelMixin", "with_context_parallel"]
