@@ -246,7 +246,8 @@ def refusals() -> dict:
         base = dict(output_dir=tmp, report_to=[], use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
                     max_steps=1, disable_tqdm=True, save_strategy="no")
         cases = {
-            "accelerate_cp_too": (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2)), 2, {}),
+            "accelerate_cp_too": (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2},
+                                       parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2)), 2, {}),
             "cp_does_not_divide": ({}, 3, {}),
             "label_smoothing": (dict(label_smoothing_factor=0.1), 2, {}),
             "compute_loss_func": ({}, 2, dict(compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)),
