@@ -26,9 +26,10 @@ from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
 from .layouts import (
-    DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
+    Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
+from .plan.cost import machine_for
 
 
 def ring_attention(
@@ -49,6 +50,7 @@ def ring_attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     kv_exchange: Optional[str] = None,
+    chunk_size: Optional[int] = None,
 ):
     """Exact attention over a sequence sharded across a context-parallel group.
 
@@ -68,7 +70,8 @@ def ring_attention(
             group); for strategy="hybrid" a 2-D DeviceMesh (ring dim, Ulysses dim) or a pair
             (ring_group, ulysses_group), CP rank = ring rank * U + Ulysses rank.
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
-            dtcp.DocZigzag(doc_lens)).
+            dtcp.DocZigzag(doc_lens), dtcp.Balanced(doc_lens): packed documents with equal tokens
+            and equal causal work per rank; it carries its documents, which are then the mask).
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
@@ -106,6 +109,10 @@ def ring_attention(
             once per row after merging the ring's blocks; gradients flow to it (each rank's rows'
             share, like any parameter's under context parallelism: sum it over the group, e.g.
             with FSDP over the cp ranks). Rows that see no key at all stay out 0, lse 0.
+        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): tokens attend only
+            within consecutive chunks of `chunk_size` tokens, counted from the start of the
+            sequence, or of each document with `cu_seqlens` (a document sees the chunks it would
+            see alone). Intersected with the causal mask, the window and the documents. None: none.
 
     Returns:
         out (B, Hq, S_local, Dv), and with ``return_lse=True`` also lse (B, Hq, S_local), natural
@@ -128,6 +135,7 @@ def ring_attention(
             scale = default_scale(q.shape[-1])
         left, right = resolve_window(window_size, layout, is_causal)
         _check_cu_seqlens(cu_seqlens)
+        chunk = _check_chunk_size(chunk_size)
         if isinstance(layout, DocZigzag):
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: a DocZigzag layout carries its documents (and their padding); "
@@ -136,6 +144,13 @@ def ring_attention(
             # document structure every batch is a new input, not a new graph. The op checks the
             # padded length against the values.
             layout_spec, cu_seqlens = "doczigzag", layout.cu_seqlens
+        elif isinstance(layout, Balanced):
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: a Balanced layout carries its documents (they are the mask and decide "
+                                 "the placement); pass cu_seqlens=None")
+            layout.check(q.shape[2] * n, n)
+            # As for DocZigzag: only the boundaries tensor reaches the op and the compiled graph.
+            layout_spec, cu_seqlens = "balanced", layout.cu_seqlens
         else:
             layout.check(q.shape[2] * n, n)
             layout_spec = layout.spec()
@@ -145,7 +160,7 @@ def ring_attention(
                 _tell_peers(g, group_size(g), e)
         raise
     args = CallArgs(_compat.name_of_group(pg), layout_spec, bool(is_causal), float(scale), backend, left, right,
-                    strategy, softcap, "" if head_pg is None else _compat.name_of_group(head_pg))
+                    strategy, softcap, "" if head_pg is None else _compat.name_of_group(head_pg), chunk)
     out, lse = ops.attention(q, k, v, args, cu_seqlens, cp_rank, n, sinks)
     return (out, lse.detach()) if return_lse else out
 
@@ -235,10 +250,13 @@ def explain(
     backward: bool = True,
 ) -> str:
     """What ``strategy="auto"`` picks for this call on CUDA, and why: the cost model's predicted
-    time of every strategy the call allows (dtcp/plan/cost.py), fastest first. Takes the shards a
+    time of every strategy the call allows (dtcp/plan/cost.py), fastest first, with the kernel
+    each runs on and its launches per pass on the rank that launches most. Takes the shards a
     ``ring_attention`` call would get (q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D/Dv); only
-    their shapes, dtype and device matter: meta tensors work) and the same mask arguments; makes
-    no communication. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
+    their shapes, dtype and device matter) and the same mask arguments; makes no communication.
+    Meta tensors stand for the GPU the cost model's machine describes: kernels are chosen as on
+    CUDA with its compute capability (``Machine.compute_capability``), FlashAttention-4 counted
+    as installed. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
     else the shipped H200 NVLink figures. On CPU, "auto" takes the ring whatever the model says.
 
     Returns a multi-line report; its first line is ``auto -> <strategy>``."""
@@ -247,8 +265,8 @@ def explain(
     n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
-    if isinstance(layout, DocZigzag):
-        layout_spec, cu_values = "doczigzag", tuple(layout.cu_seqlens.tolist())
+    if isinstance(layout, (DocZigzag, Balanced)):
+        layout_spec, cu_values = layout.name, tuple(layout.cu_seqlens.tolist())
     else:
         layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
     args = CallArgs("", layout_spec, bool(is_causal), default_scale(q.shape[-1]), "auto", left, right, "auto")
@@ -258,10 +276,15 @@ def explain(
     lines = [f"auto -> {choice}{why}  ({'forward + backward' if backward else 'forward'}, {n} ranks, "
              f"q {tuple(q.shape)}, k {tuple(k.shape)}, {layout!r}, causal={is_causal}, window=({left}, {right}))"]
     for p in preds:
-        lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms, "
-                     f"communication {p.comm_s * 1e3:.3f} ms of which exposed {p.exposed_comm_s * 1e3:.3f} ms)")
+        lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms "
+                     f"on {p.kernel} x {p.launches} launches, communication {p.comm_s * 1e3:.3f} ms of which "
+                     f"exposed {p.exposed_comm_s * 1e3:.3f} ms)")
     if not preds:
         lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
+    elif q.device.type == "meta":
+        cc = machine_for(config.cost_machine).compute_capability
+        lines.append(f"  (meta tensors: kernels as on a CUDA GPU of compute capability {cc[0]}.{cc[1]}, "
+                     "FlashAttention-4 counted as installed)")
     return "\n".join(lines)
 
 
@@ -366,6 +389,15 @@ def _check_sinks(sinks, q) -> None:
         raise ValueError(f"sinks must have one logit per query head: q has {q.shape[1]} heads, sinks has {sinks.shape[0]}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device ({q.device}); got {sinks.device}")
+
+
+def _check_chunk_size(chunk_size) -> int:
+    """0 for none; else the chunk length, a positive int."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None; got {chunk_size!r}")
+    return int(chunk_size)
 
 
 def _check_cu_seqlens(cu_seqlens) -> None:

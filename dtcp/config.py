@@ -20,6 +20,7 @@ nothing reads the environment or a module global on the hot path.
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
+| `ring_one_launch` | True | | a ring step's tasks (document pieces, chunk pairs, diagonal and off-diagonal blocks) as one varlen launch per window where the kernel has one (fa4, flash) |
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Config:
     eager_fast_path: bool = True
     traced_allgather: bool = True
     one_launch: bool = True
+    ring_one_launch: bool = True
     cost_machine: object = None
 
     def __setattr__(self, name: str, value) -> None:

@@ -49,16 +49,17 @@ def _cu_values(cu_seqlens: Optional[torch.Tensor]) -> Optional[tuple[int, ...]]:
 # document boundaries or None. strategy: "auto", "ring", "allgather", "ulysses" or "hybrid"
 # (dtcp/plan/exchange.py). softcap: tanh capping of the scores (0: none); sinks: (Hq,) attention-sink
 # logits or None. head_group_name: the Ulysses dim's group of a 2-D mesh ("" for a 1-D group).
+# chunk_size: chunked attention, within chunks of this many tokens of each document (0: none).
 # route: compile-cache key only (compiled_route_key(); "" outside torch.compile), not read.
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
     strategy: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, head_group_name: str = "",
-    route: str = "",
+    chunk_size: int = 0, route: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy, softcap,
-                    head_group_name)
+                    head_group_name, chunk_size)
     route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention forward", sinks)
     out, lse, _ = run_forward(route, q, k, v, scale, sinks=sinks)
     return out, lse
@@ -70,7 +71,7 @@ ring_attention_forward = torch.library.custom_op("dtcp::ring_attention_forward",
 
 @ring_attention_forward.register_fake
 def _(q, k, v, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1, cu_seqlens=None,
-      strategy="auto", softcap=0.0, sinks=None, head_group_name="", route=""):
+      strategy="auto", softcap=0.0, sinks=None, head_group_name="", chunk_size=0, route=""):
     # The real op returns fresh contiguous tensors; the fakes must have the same strides.
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
@@ -81,11 +82,11 @@ def ring_attention_backward(
     group_name: str, layout: str, is_causal: bool, scale: float, backend: str,
     window_left: int = -1, window_right: int = -1, cu_seqlens: Optional[torch.Tensor] = None,
     strategy: str = "auto", softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, head_group_name: str = "",
-    route: str = "",
+    chunk_size: int = 0, route: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty without sinks."""
     args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy, softcap,
-                    head_group_name)
+                    head_group_name, chunk_size)
     route = route_for(q, k, v, args, _cu_values(cu_seqlens), "dtcp.ring_attention backward", sinks)
     dq, dk, dv, dsinks = run_backward(route, dout, q, k, v, out, lse, scale, sinks=sinks)
     return dq, dk, dv, (q.new_empty(0) if dsinks is None else dsinks)
@@ -93,7 +94,7 @@ def ring_attention_backward(
 
 @ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, group_name, layout, is_causal, scale, backend, window_left=-1, window_right=-1,
-      cu_seqlens=None, strategy="auto", softcap=0.0, sinks=None, head_group_name="", route=""):
+      cu_seqlens=None, strategy="auto", softcap=0.0, sinks=None, head_group_name="", chunk_size=0, route=""):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
@@ -142,7 +143,7 @@ _LIB = torch.library.Library("dtcp", "FRAGMENT")
 _LIB.define(
     "ring_attention(Tensor q, Tensor k, Tensor v, str group_name, str layout, bool is_causal, float scale, "
     "str backend, int window_left, int window_right, Tensor? cu_seqlens, str strategy, float softcap, "
-    "Tensor? sinks, str head_group_name, int rank, int world_size, str route) -> (Tensor, Tensor)"
+    "Tensor? sinks, str head_group_name, int chunk_size, int rank, int world_size, str route) -> (Tensor, Tensor)"
 )
 
 
@@ -171,12 +172,13 @@ def compiled_route_key() -> str:
 
 
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                              cu_seqlens, strategy, softcap, sinks, head_group_name, rank, world_size, route):
+                              cu_seqlens, strategy, softcap, sinks, head_group_name, chunk_size, rank, world_size,
+                              route):
     # Symbolic shapes (dynamic sequence lengths, batch sizes) take the custom op: its real
     # implementation sees concrete shapes at run time, and no plan or cache key holds a SymInt.
-    # Softcap, sinks and a value head dim of its own have no traced form either.
+    # Softcap, sinks, chunks and a value head dim of its own have no traced form either.
     plain = (cu_seqlens is None and softcap == 0.0 and sinks is None and v.shape[-1] == q.shape[-1]
-             and strategy in ("auto", "ring", "allgather") and not head_group_name)
+             and strategy in ("auto", "ring", "allgather") and not head_group_name and not chunk_size)
     if route.startswith("traced") and plain and _compat.all_concrete(q.shape, k.shape, v.shape):
         args = CallArgs(group_name, layout, is_causal, scale, backend, window_left, window_right, strategy)
         planned = route_for(q, k, v, args, None, "dtcp.ring_attention (compiled)")
@@ -190,7 +192,7 @@ def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, bac
     # decomposition, where an op call with the same positional values but another schema (an
     # older dtcp) would otherwise hit the cache and run code generated for the old schema.
     return ring_attention_forward(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,
-                                  cu_seqlens, strategy, softcap, sinks, head_group_name, route)
+                                  cu_seqlens, strategy, softcap, sinks, head_group_name, chunk_size, route)
 
 
 _LIB.impl("ring_attention", _ring_attention_composite, "CompositeImplicitAutograd")
@@ -235,7 +237,8 @@ def attention(q, k, v, args: CallArgs, cu_seqlens: Optional[torch.Tensor], rank:
               sinks: Optional[torch.Tensor] = None):
     """(out, lse) of one call: compiled route, eager fast path or custom op (module docstring)."""
     op_args = (args.group_name, args.layout, args.is_causal, args.scale, args.backend, args.window_left,
-               args.window_right, cu_seqlens, args.strategy, args.softcap, sinks, args.head_group_name)
+               args.window_right, cu_seqlens, args.strategy, args.softcap, sinks, args.head_group_name,
+               args.chunk_size)
     if torch.compiler.is_compiling():
         return torch.ops.dtcp.ring_attention(q, k, v, *op_args, rank, world_size, compiled_route_key())
     plain_sinks = sinks is None or type(sinks) in (torch.Tensor, torch.nn.Parameter)  # sinks are parameters

@@ -20,7 +20,7 @@ def reference_attention(q, k, v, *, is_causal=False, scale=None, mask: Optional[
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale
-    keep = torch.ones(s, k.shape[2], dtype=torch.bool)
+    keep = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device)
     if is_causal:
         keep &= torch.ones_like(keep).tril()
     if mask is not None:

@@ -474,3 +474,143 @@ def test_fa4_varlen_refuses_sequences_with_keyless_rows():
     assert "10x4" in why and "first rows see no key" in why
     assert KERNELS["fa4"].reject_varlen_reason([(10, 4)], (-1, 6)) is None
     assert KERNELS["fa4"].reject_varlen_reason([(0, 4), (3, 0)], (-1, -1)) is not None
+
+
+# ---- PyTorch's flash (dtcp/kernels/flash.py): rows without keys -------------------------------------------
+# FlashAttention-2 gives rows that see no key a finite lse (+inf in flash-attn's code), which wins
+# every merge; on H100 benchmarks/check_kernels.py caught it on block 1024x256, band (None, -768).
+# dtcp runs each dense block's keyed_block only. Here: the index math, exhaustively, and the
+# kernel's plumbing against a float64 stand-in for aten._flash_attention_forward/backward that
+# gives keyless rows lse +inf as FA2 does.
+from dtcp.kernels import Target  # noqa: E402
+from dtcp.kernels import flash as flash_mod  # noqa: E402
+from dtcp.kernels.base import keyed_block  # noqa: E402
+
+
+def fa2_keep(sq, sk, causal, left, right):
+    """FA2's mask on a sq x sk block (flash_api.cpp): causal is (-1, 0); None or a bound >= sk is
+    unbounded (-1); key col kept for row iff row + sk - sq - left <= col <= row + sk - sq + right."""
+    left, right = (-1 if w is None or w >= sk else w for w in (left, right))
+    if causal:
+        left, right = -1, 0
+    row, col = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        keep &= col <= row + sk - sq + right
+    if left >= 0:
+        keep &= col >= row + sk - sq - left
+    return keep
+
+
+def test_keyed_block_is_exactly_the_rows_and_keys_with_work():
+    for lq in _LENS:
+        for lk in _LENS:
+            for lo in _OFFSETS:
+                for hi in _OFFSETS:
+                    want = _band_mask_cpu(lq, lk, lo, hi)
+                    kb = keyed_block(lq, lk, lo, hi)
+                    rows, keys = want.any(1).nonzero().flatten(), want.any(0).nonzero().flatten()
+                    if kb.empty:
+                        assert not want.any(), (lq, lk, lo, hi)
+                        continue
+                    assert (kb.r0, kb.r1) == (rows.min().item(), rows.max().item() + 1), (lq, lk, lo, hi, kb)
+                    assert (kb.c0, kb.c1) == (keys.min().item(), keys.max().item() + 1), (lq, lk, lo, hi, kb)
+                    assert len(rows) == kb.r1 - kb.r0  # the rows with keys are one run
+                    sub = _band_mask_cpu(kb.r1 - kb.r0, kb.c1 - kb.c0, kb.band.lo, kb.band.hi)
+                    assert torch.equal(sub, want[kb.r0:kb.r1, kb.c0:kb.c1]), (lq, lk, lo, hi, kb)
+                    assert kb.whole(lq, lk) == bool(want.any(1).all() and want.any(0).all())
+
+
+def test_flash_window_on_the_keyed_block_is_exact_where_accepted():
+    """Where flash accepts a band (on its keyed block), FA2's window there keeps exactly the
+    band's keys, and rows outside the block see none. The H100 failure's block is accepted and
+    its first 768 rows are left out of the call."""
+    kern, target = KERNELS["flash"], Target("cuda")
+    q = torch.empty(1, 2, 1, 64, dtype=torch.bfloat16, device="meta")
+    accepted = 0
+    for lq in _LENS:
+        for lk in _LENS:
+            for lo in _OFFSETS:
+                for hi in _OFFSETS:
+                    if kern.reject_reason(q, q, [Task(0, lq, 0, lk, lo, hi)], target) is not None:
+                        continue
+                    accepted += 1
+                    kb = keyed_block(lq, lk, lo, hi)
+                    got = torch.zeros(lq, lk, dtype=torch.bool)
+                    if not kb.empty:
+                        sq, sk = kb.r1 - kb.r0, kb.c1 - kb.c0
+                        a = flash_mod._flash_args(kb.band.aligned_window(sq, sk))
+                        got[kb.r0:kb.r1, kb.c0:kb.c1] = fa2_keep(sq, sk, a["causal"], a["window_size_left"],
+                                                                 a["window_size_right"])
+                    assert torch.equal(got, _band_mask_cpu(lq, lk, lo, hi)), (lq, lk, lo, hi, kb)
+    assert accepted > len(_LENS) ** 2 * len(_OFFSETS) ** 2 // 2
+    kb = keyed_block(1024, 256, None, -768)
+    assert (kb.r0, kb.r1, kb.c0, kb.c1) == (768, 1024, 0, 256) and kb.band == Band(None, 0)
+    assert kern.reject_reason(q, q, [Task(0, 1024, 0, 256, None, -768)], target) is None
+    # a band whose last rows see nothing: inexpressible on the whole block, exact on its keyed block
+    assert flash_mod.flash_band_reason([Task(0, 1000, 0, 600, 3, 100)], "flash") is not None
+    assert kern.reject_reason(q, q, [Task(0, 1000, 0, 600, 3, 100)], target) is None
+
+
+def test_flash_varlen_refuses_sequences_with_keyless_rows():
+    why = KERNELS["flash"].reject_varlen_reason([(8, 8), (1024, 256)], (-1, 0))
+    assert "1024x256" in why and "first rows see no key" in why
+    assert KERNELS["flash"].reject_varlen_reason([(8, 8), (256, 1024)], (-1, 0)) is None
+
+
+class FakeFlash:
+    """aten._flash_attention_forward/backward on (B, L, H, D) blocks in float64 with FA2's mask
+    (fa2_keep) and FA2's lse for rows without keys: +inf, out 0. Equal q and k/v head counts."""
+
+    @staticmethod
+    def _mask(sq, sk, causal, window_size_left, window_size_right):
+        return fa2_keep(sq, sk, causal, window_size_left, window_size_right)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, window_size_left,
+                window_size_right):
+        assert cu_q is None and dropout == 0.0
+        keep = self._mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
+        s = torch.einsum("blhd,bmhd->bhlm", q, k) * scale
+        s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        out = torch.einsum("bhlm,bmhd->blhd", p, v)
+        lse = lse.masked_fill(~keep.any(1), float("inf"))  # FA2: rows without keys
+        return out, lse, None, None
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *,
+                 scale, window_size_left, window_size_right):
+        keep = self._mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
+        s = torch.einsum("blhd,bmhd->bhlm", q, k) * scale
+        p = torch.exp(s - lse.double()[..., None]).masked_fill(~keep, 0.0)
+        dv = torch.einsum("bhlm,blhd->bmhd", p, dout)
+        dp = torch.einsum("blhd,bmhd->bhlm", dout, v)
+        delta = (dout * out).sum(-1).transpose(1, 2)  # (B, H, L)
+        ds = p * (dp - delta[..., None])
+        return (torch.einsum("bhlm,bmhd->blhd", ds, k) * scale, torch.einsum("bhlm,blhd->bmhd", ds, q) * scale,
+                dv)
+
+
+@pytest.mark.parametrize("lq,lk,lo,hi", [(64, 16, None, -48), (40, 40, None, -13), (50, 30, 3, 10),
+                                         (48, 48, -20, 0), (24, 40, None, 16), (30, 30, None, -40)])
+def test_flash_kernel_gives_keyless_rows_out_0_and_lse_minus_inf(monkeypatch, lq, lk, lo, hi):
+    """Through the stand-in (which, like FA2, gives keyless rows lse +inf), the kernel's out, lse,
+    dq, dk, dv equal the float64 math kernel's on the whole block, keyless rows included."""
+    fake = FakeFlash()
+    monkeypatch.setattr(flash_mod._compat, "cuda_flash_ops", lambda: (fake.forward, fake.backward))
+    kern, math_k = KERNELS["flash"], KERNELS["math"]
+    g = torch.Generator().manual_seed(lq + lk)
+    q, dout = (torch.randn(2, 3, lq, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 3, lk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = kern.forward(q, k, v, lo, hi, 0.25)
+    ref_out, ref_lse = math_k.forward(q, k, v, lo, hi, 0.25)
+    seen = _band_mask_cpu(lq, lk, lo, hi).any(1)
+    assert torch.isneginf(lse[..., ~seen]).all() and (out[..., ~seen, :] == 0).all()
+    torch.testing.assert_close(out[..., seen, :], ref_out[..., seen, :], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse[..., seen], ref_lse[..., seen], rtol=1e-10, atol=1e-12)
+    grads = kern.backward(dout, q, k, v, out, lse, lo, hi, 0.25)
+    # (the kernel hands FA2 a float32 lse, as the real op requires: the reference gets the same)
+    lse32 = lse.float().double()
+    ref = math_k.backward(dout, q, k, v, out, lse32.masked_fill(torch.isneginf(lse32), float("inf")), lo, hi, 0.25)
+    for got, want in zip(grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -29,6 +29,11 @@ from reference import rel_err
 # an installed torchtitan that fails to import fails the tests.
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed (pip install -e '.[torchtitan]')", allow_module_level=True)
+from importlib.metadata import version as _version  # noqa: E402
+
+if not _version("torchtitan").startswith("0.2."):
+    pytest.skip(f"torchtitan {_version('torchtitan')} is installed; these tests are for 0.2.2 "
+                "(tests/test_torchtitan03.py covers 0.3)", allow_module_level=True)
 
 import dtcp.integrations.torchtitan as dt  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402

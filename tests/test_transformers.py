@@ -6,6 +6,7 @@ HF model) is shown to be large, and the integration's answer exact; errors raise
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -48,10 +49,16 @@ def make_config(name: str):
                                                    num_local_experts=4, num_experts_per_tok=2,
                                                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
                                                                     "factor": 4.0, "original_max_position_embeddings": 64})
+    if name == "llama4":                 # chunked attention (chunk 12: across shard pieces), then a NoPE full layer
+        return t.Llama4ForCausalLM, t.Llama4TextConfig(**COMMON, attention_chunk_size=12, intermediate_size_mlp=64,
+                                                       num_local_experts=2, interleave_moe_layer_step=2,
+                                                       layer_types=["chunked_attention", "full_attention"],
+                                                       no_rope_layers=[1, 0])
     raise KeyError(name)
 
 
-MODELS = ["llama", "mistral_small_window", "mistral_large_window", "qwen2", "gemma2", "gemma3", "gpt_oss"]
+MODELS = ["llama", "mistral_small_window", "mistral_large_window", "qwen2", "gemma2", "gemma3", "gpt_oss", "llama4"]
+DOC_ALONE = ("gpt_oss", "llama4")   # packed references: each document on its own (see `reference`)
 
 
 def _eager_f64(module, *args, **kwargs):
@@ -78,6 +85,28 @@ def _gemma_norm_f64(self, x):
 
 transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm.forward = _gemma_norm_f64
 transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm.forward = _gemma_norm_f64
+def _llama4_rope_f64(xq, xk, freqs_cis):
+    """models/llama4's apply_rotary_emb without its cast of q and k to float32 (the packed
+    reference runs each document alone, where float64 rounding differs and float32 amplifies it)."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    return (torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3).type_as(xk))
+
+
+def _llama4_router_f64(self, hidden_states):
+    """models/llama4's Llama4Router without its float32 sigmoid."""
+    logits = F.linear(hidden_states, self.weight)
+    top, idx = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, idx, top)
+    return torch.sigmoid(scores), logits
+
+
+_llama4 = transformers.models.llama4.modeling_llama4
+_llama4.apply_rotary_emb = _llama4_rope_f64
+_llama4.Llama4Router.forward = _llama4_router_f64
+_llama4.Llama4TextRMSNorm.forward = lambda self, x: self._norm(x) * self.weight
+_llama4.Llama4TextL2Norm.forward = lambda self, x: self._norm(x)
 transformers.AttentionInterface.register("eager_f64", _eager_f64)
 transformers.AttentionMaskInterface.register("eager_f64", transformers.masking_utils.eager_mask)
 REF = "eager_f64"
@@ -106,6 +135,25 @@ def build(name: str, impl: str, seed: int = 0):
         for n, p in model.named_parameters():
             if n.endswith("sinks"):
                 p.normal_(0.0, 1.0)   # gpt-oss's sinks start at zero-ish: make them matter
+    return model
+
+
+def drop_attention_kwargs(model):
+    """Make every decoder layer call its attention module without the model's **kwargs, as some
+    architectures' layers do: the attention module gets only its named arguments (hidden states,
+    position embeddings, mask, cache), so ``cu_seq_lens_q`` never reaches the attention function."""
+    for module in model.modules():
+        attn = getattr(module, "self_attn", None)
+        if attn is None:
+            continue
+        forward = type(attn).forward
+        named = {p.name for p in inspect.signature(forward).parameters.values()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+        def dropping(*args, _forward=forward, _attn=attn, _named=named, **kwargs):
+            return _forward(_attn, *args, **{k: v for k, v in kwargs.items() if k in _named})
+
+        attn.forward = dropping
     return model
 
 
@@ -157,9 +205,10 @@ def reference(ref, name: str, kind: str, batch):
     """(logits, stock loss, f64 loss) of the one-process model, and its parameter gradients (of
     the f64 loss). Packed documents for gpt-oss: each document on its own (transformers' eager and
     sdpa gpt-oss do not pass position_ids to their mask builder, so they do not isolate documents;
-    dtcp does, as flash_attention_2 does)."""
+    dtcp does, as flash_attention_2 does). Llama 4 too: transformers lays its chunks on the row's
+    positions, dtcp counts them from each document's start (the chunks a document sees alone)."""
     ref.zero_grad()
-    if kind.startswith("packed") and name == "gpt_oss":
+    if kind.startswith("packed") and name in DOC_ALONE:
         ids, labels = batch["input_ids"], batch["labels"]
         shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
         count = (shift != -100).sum()
@@ -208,12 +257,15 @@ def max_abs(a, b, where=None):
 
 
 def run_integration(name: str, kind: str, layout_spec: str, compiled: bool = False, seq: int = 32,
-                    checkpointing: bool = False):
+                    checkpointing: bool = False, drop_kwargs: bool = False):
     """Errors of the integration against the one-process model (max abs over logits at real
     tokens, loss, every parameter gradient). `checkpointing`: gradient checkpointing on (the
-    backward, inside the block, recomputes the attention)."""
+    backward, inside the block, recomputes the attention). `drop_kwargs`: the model's decoder
+    layers do not forward **kwargs to their attention (`drop_attention_kwargs`)."""
     layout = dtcp.layout_from_spec(layout_spec)
     model = build(name, "dtcp")
+    if drop_kwargs:
+        drop_attention_kwargs(model)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
@@ -283,6 +335,19 @@ def test_compiled_two_ranks():
     cases = [("qwen2", "packed", "zigzag", True), ("gemma2", "padded", "contiguous", True)]
     results = [r for rank in run_ranks(2, many, cases, timeout=400) for r in rank]
     check(results)
+
+
+def test_models_that_drop_kwargs():
+    """Decoder layers that call their attention without the model's **kwargs (the document
+    boundaries the block passes to the model never reach the attention function): exact anyway,
+    plain and packed, eager and compiled, with windows and sinks. Packed, on main: logits off by
+    ~0.5 (each document attended to the ones before it)."""
+    cases = [(m, k, "zigzag", False, 32, False, True) for m in ("llama", "mistral_large_window", "gpt_oss")
+             for k in ("plain", "packed", "padded")]
+    cases += [("qwen2", "packed", "contiguous", True, 32, False, True)]
+    results = [r for rank in run_ranks(2, many, cases, timeout=300) for r in rank]
+    check(results)
+    assert len(results) == 2 * len(cases)
 
 
 # ---- the naive recipe's silent failures, each against the integration ------------------------------------
@@ -379,6 +444,12 @@ def error_of(case: str):
         elif case == "no_attention_call":
             with dtcp_hf.context_parallel(model, mesh, batch) as cp:
                 model.model.embed_tokens(cp.inputs["input_ids"])   # a forward that makes no attention call
+        elif case == "foreign_cu_seqlens":    # boundaries of the user's own beside the block's
+            with dtcp_hf.context_parallel(model, mesh, batch_packed(32)) as cp:
+                model(**{**cp.inputs, "cu_seq_lens_q": cp.inputs["cu_seq_lens_q"].clone()})
+        elif case == "not_the_shard":         # an attention call over tokens the block did not shard
+            with dtcp_hf.context_parallel(model, mesh, batch) as cp:
+                model(input_ids=cp.inputs["input_ids"][:, :8], use_cache=False)
         elif case == "attention_dropout":
             model.config.attention_dropout = 0.1
             model.train()
@@ -406,6 +477,8 @@ def error_of(case: str):
     ("bad_length_on_one_rank", "multiple of 4"),
     ("mask_passed_to_model", "give the full 2-D attention_mask to the block"),
     ("no_attention_call", "no attn_implementation='dtcp' attention call ran"),
+    ("foreign_cu_seqlens", "not the block's document boundaries"),
+    ("not_the_shard", "not over the block's shard"),
     ("attention_dropout", "attention_dropout=0.1"),
     ("dynamic_rope", "rope_type ['dynamic']"),
     ("checkpointing_backward_outside", "Call loss.backward() inside the context_parallel block"),

@@ -305,7 +305,11 @@ def test_explain_is_the_same_on_every_rank():
     short, long = (r.splitlines() for r in reports[0])
     for lines in (short, long):
         assert lines[0].startswith("auto -> ")
+        # meta tensors: the kernels a CUDA GPU of the shipped machine (compute capability 9.0) runs
+        assert lines[-1].startswith("  (meta tensors: kernels as on a CUDA GPU of compute capability 9.0")
+        lines = lines[:-1]
         assert {line.split()[0] for line in lines[1:]} == {"ring", "allgather", "ulysses"}
+        assert all(" on fa4 x " in line for line in lines[1:]), lines
         times = [float(line.split()[2]) for line in lines[1:]]
         assert times == sorted(times)  # fastest first
     # 2 ranks x 1024 tokens x 8 heads x 128 x 2 (K, V) x 2 bytes = 8 MiB <= 16 MiB: the all-gather rule

@@ -130,4 +130,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         call_overhead_s=tiny,
         memory_bytes_per_s=2 * big.numel() / t_copy,
         kernel_rates=tuple(rates),
+        launch_s=base.launch_s,  # (not measured here yet: the shipped provisional figure)
+        compute_capability=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
+                            else base.compute_capability),
     )

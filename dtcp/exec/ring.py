@@ -31,6 +31,7 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
+from .fused import add_rows_, fused_steps, launch_backward, launch_forward, merge_launch_, rows
 from .merge import apply_sink_, merge_into_
 
 
@@ -83,7 +84,10 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # once, as on one GPU), and the float32 accumulator covers only the rows later steps merge
     # into: under a window of W < L tokens the first W rows, not all L (at 64K tokens and 32
     # heads that is GiBs less memory traffic).
-    keep_local = sink is None and plan.local_calls_disjoint
+    # One varlen launch per step (and window) where the kernel has one (dtcp/exec/fused.py); its
+    # results merge into float32 accumulators over every row.
+    fused = fused_steps(plan, kernel, q.device)
+    keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
 
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
@@ -99,7 +103,14 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
             works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
-        for task in step.tasks:
+        if fused is not None:
+            if out_acc is None:
+                out_acc, lse_acc = torch.zeros(out_shape, dtype=acc, device=q.device), no_keys_lse()
+            for b in range(q.shape[0]):
+                for li in fused[t]:
+                    o, l = launch_forward(kernel, rows(q, b), rows(cur[0], b), rows(cur[1], b), li, scale, softcap)
+                    merge_launch_(rows(out_acc, b), lse_acc[b], li, o, l)
+        for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
             if t == 0 and keep_local:
@@ -160,7 +171,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
     # As in the forward: with disjoint local calls, their dq (dK/dV) stand as the kernel
     # returned them except on the rows (keys) other steps add to, which sum in float32.
-    keep_local = plan.local_calls_disjoint
+    fused = fused_steps(plan, kernel, q.device)
+    keep_local = plan.local_calls_disjoint and fused is None
     if keep_local:
         dq_rows = plan.merged_rows
         home_keys = plan.returned_keys if moves else (0, 0)  # (NoComm: nothing comes home)
@@ -184,8 +196,16 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             kv_works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
-        block_grads = []  # this step's dK/dV for the span held, per task
-        for task in step.tasks:
+        block_grads = []  # this step's dK/dV for the span held: (batch row, keys, index, dk, dv) per call
+        if fused is not None:
+            for b in range(q.shape[0]):
+                for li in fused[t]:
+                    dq_t, dk_t, dv_t = launch_backward(kernel, rows(dout, b), rows(q, b), rows(cur[0], b),
+                                                       rows(cur[1], b), rows(out, b), lse[b], li, scale, softcap)
+                    add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t)
+                    block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t))
+                    del dq_t, dk_t, dv_t
+        for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             dq_t, dk_t, dv_t = kernel.backward(
                 dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale, softcap=softcap
@@ -201,7 +221,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     grads[2][ks] = dv_t
                 continue
             _rows(dq_acc, task.q_start, task.q_end, dq_rows[0]).add_(dq_t)
-            block_grads.append((ks, dk_t, dv_t))
+            block_grads.append((None, ks, None, dk_t, dv_t))
             del dq_t, dk_t, dv_t
         if t == 0 and keep_local:
             # the local calls are all in: float32 only for the rows and keys others add to
@@ -218,9 +238,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             else:
                 comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
             dkv_works = None
-        for ks, dk_t, dv_t in block_grads:
-            travelling[0][ks] += dk_t
-            travelling[1][ks] += dv_t
+        for b, ks, index, dk_t, dv_t in block_grads:
+            if b is None:
+                travelling[0][ks] += dk_t
+                travelling[1][ks] += dv_t
+            else:  # a launch's keys (rows form; a key two of its sequences share gets both shares)
+                add_rows_(rows(travelling[0], b), ks, index, dk_t)
+                add_rows_(rows(travelling[1], b), ks, index, dv_t)
         del block_grads
         if t > 0 and moves:
             if t not in plan.chain_ends:

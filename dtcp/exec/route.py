@@ -36,14 +36,16 @@ from ..comm.guard import digest
 from ..comm.p2p import RingComm
 from ..config import config
 from ..errors import DtcpError, PeerFailedError, PeerTimeoutError
-from ..kernels import Kernel, acc_dtype, select_kernel
-from ..layouts import DocZigzag, Layout, layout_from_spec
+from ..kernels import Kernel, Target, acc_dtype, select_kernel
+from ..layouts import Balanced, DocZigzag, Layout, layout_from_spec
 from ..plan import (
     AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
-    allgather_reason, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans, row_cu_seqlens,
+    allgather_reason, chunk_segments, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans,
+    row_cu_seqlens,
     segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
 from ..plan.cost import machine_for, rank as rank_strategies
+from ..plan.fuse import fused_launches
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
 from .ring import ring_backward, ring_forward
 from .ulysses import to_heads, to_sequence
@@ -65,6 +67,7 @@ class CallArgs:
     strategy: str
     softcap: float = 0.0  # 0: none
     head_group_name: str = ""  # the Ulysses group of a 2-D mesh ("": the call's group is 1-D)
+    chunk_size: int = 0  # chunked attention: within chunks of this many tokens of each document (0: none)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -151,7 +154,7 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
-           args.head_group_name)
+           args.head_group_name, args.chunk_size)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -213,7 +216,7 @@ def _signature(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state
         "dtype": str(q.dtype), "device type": q.device.type, "layout": args.layout,
         "is_causal": str(args.is_causal), "scale": repr(args.scale), "window_size": str(args.window),
         "cu_seqlens": digest(cu_values), "strategy": args.strategy, "backend": args.backend,
-        "softcap": repr(args.softcap), "sinks": str(sinks_shape),
+        "softcap": repr(args.softcap), "sinks": str(sinks_shape), "chunk_size": str(args.chunk_size),
     }
 
 
@@ -240,6 +243,13 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
         layout: Layout = DocZigzag.from_cu_seqlens(cu_values)
         layout.check(seq_len, n)
         row_segments = (layout.segments(n),) * batch
+    elif args.layout == "balanced":  # the documents are the mask and decide the placement
+        if cu_values is None:
+            raise ValueError("layout 'balanced' needs the documents: pass layout=dtcp.Balanced(doc_lens) "
+                             "(or Balanced.from_cu_seqlens(cu_seqlens))")
+        layout = Balanced.from_cu_seqlens(cu_values)
+        layout.check(seq_len, n)
+        row_segments = (segments_from_cu_seqlens(cu_values, seq_len),) * batch
     else:
         layout = layout_from_spec(args.layout)
         layout.check(seq_len, n)
@@ -247,6 +257,10 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
             row_segments = (None,) * batch
         else:
             row_segments = tuple(segments_from_cu_seqlens(c, seq_len) for c in row_cu_seqlens(cu_values, batch, seq_len))
+    if args.chunk_size:
+        # Chunks refine the documents only now, after the layout is derived: DocZigzag places
+        # whole documents (from cu_seqlens), and chunks must not move them.
+        row_segments = tuple(chunk_segments(seg, seq_len, args.chunk_size) for seg in row_segments)
     return _Problem(layout, row_segments, n, cp_rank, u)
 
 
@@ -268,9 +282,11 @@ def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state: Op
     raise error
 
 
-def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sinks: bool):
+def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sinks: bool,
+                 target: Optional[Target] = None):
     """(exchange, head plan, plan, kernel) of "ulysses" (U = N, local attention after the head
-    exchange) or "hybrid" (U = the mesh's Ulysses dim, then the ring or all-gather over R groups)."""
+    exchange) or "hybrid" (U = the mesh's Ulysses dim, then the ring or all-gather over R groups).
+    `target`: an assumed device to choose the kernel for (predictions on meta tensors)."""
     n, local_len, batch = problem.world_size, q.shape[2], q.shape[0]
     u = n if strategy == "ulysses" else problem.head_group_size
     r = n // u
@@ -286,13 +302,13 @@ def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sink
         exchanges = ("allgather", "ring")  # one rank: nothing moves; the all-gather plan takes varlen in one call
     else:
         gathered_kv_bytes = (k_h.numel() * k.element_size() + v_h.numel() * v.element_size()) * r
-        exchanges = exchange_candidates("auto", inner, u * local_len, r, q.device.type, gathered_kv_bytes,
-                                        config.allgather_max_bytes)
+        exchanges = exchange_candidates("auto", inner, u * local_len, r, q.device.type if target is None
+                                        else target.device_type, gathered_kv_bytes, config.allgather_max_bytes)
     error = None
     for exchange in exchanges:
         try:
             plan, kernel = _plan_and_kernel(exchange, inner, q_h, k_h, v_h, args, problem.row_segments, r,
-                                            problem.cp_rank // u, sinks)
+                                            problem.cp_rank // u, sinks, target)
             return exchange, heads, plan, kernel
         except ValueError as e:
             error = e
@@ -348,56 +364,79 @@ def explain(q, k, v, args: CallArgs, cu_values, world_size: int, rank: int, head
     return order[0], preds
 
 
+def predicted_target(q, machine) -> Optional[Target]:
+    """The device kernels are chosen for in a prediction: q's own, except for meta tensors
+    (dtcp.explain without a GPU), which stand for the GPU the cost model's machine describes
+    (`Machine.compute_capability`, FlashAttention-4 counted as installed): the kernels a call on
+    CUDA would run, so their rates and launches are that GPU's, not the math kernel's."""
+    return Target("cuda", machine.compute_capability) if q.device.type == "meta" else None
+
+
 def predictions(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True) -> list[Prediction]:
     """The cost model's predictions for the strategies this call allows, fastest first. Each
-    strategy's schedule is built as `_build` would (no communication) to count its visible pairs
-    and kernel calls and to know which kernel serves it (kernels differ in speed, and not every
-    kernel serves every schedule)."""
+    strategy's schedule is built as `_build` would (no communication) to count, on the slowest
+    rank, its visible pairs and kernel launches, and to know which kernel serves it (kernels
+    differ in speed, and not every kernel serves every schedule). Meta tensors are predicted for
+    the machine's GPU (predicted_target)."""
+    shape, allowed = call_shape(q, k, v, args, problem, backward)
+    return rank_strategies(allowed, shape, machine_for(config.cost_machine))
+
+
+def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True) -> tuple[CallShape, list[str]]:
+    """(what the cost model needs of this call, the strategies it allows): pure arithmetic over
+    the plans every rank would build, no communication. Per strategy, the kernel that serves it and
+    the slowest rank's work: ring and all-gather count each rank's visible pairs and launches
+    (`_launches`: one per varlen launch or task, as the executors run them) and take the largest;
+    Ulysses' kernels see the whole sequence for Hq / N heads on every rank (balanced by
+    construction)."""
     n, local_len = problem.world_size, q.shape[2]
-    kernels, calls = {}, {}
+    target = predicted_target(q, machine_for(config.cost_machine))
+    kernels, launches, rows_per_launch = {}, {}, {}
     for strategy in ("ring", "allgather", "ulysses"):
         try:
             if strategy == "ulysses":
                 head_splits(q.shape[1], k.shape[1], n, "ulysses")
-                _, _, plan, kernel = _heads_route("ulysses", q, k, v, args, problem, False)
+                _, _, plan, kernel = _heads_route("ulysses", q, k, v, args, problem, False, target)
+                plans = [plan]  # every rank's inner plan does the same work
             else:
                 if strategy == "allgather" and allgather_reason(problem.layout, local_len, n) is not None:
                     continue
-                plan, kernel = _plan_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments, n,
-                                                problem.cp_rank, False)
+                plans, kernel = _plans_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
+                                                  n, False, target)
         except ValueError:
             continue
-        kernels[strategy], calls[strategy] = kernel.name, _kernel_calls(plan, kernel)
+        work = [_launches(plan, kernel) for plan in plans]
+        pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
+        top = max(range(len(plans)), key=lambda rr: pairs[rr])
+        kernels[strategy] = kernel.name
+        launches[strategy] = max(count for count, _ in work)
+        rows_per_launch[strategy] = work[top][1] / max(1, work[top][0])
     allowed = list(kernels)
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in dict.fromkeys(problem.row_segments)}
     rows = list(problem.row_segments)
     batch = len(rows)
 
-    def per_row(build) -> tuple[float, float, float]:
-        """(slowest rank's pairs per row, all ranks' pairs per row, mean query block) of one
-        schedule, averaged over the batch rows."""
-        per_rank, q_lens, tasks = [0] * n, 0, 0
+    def per_row(build) -> tuple[float, float]:
+        """(slowest rank's pairs per row, all ranks' pairs per row) of one schedule, averaged
+        over the batch rows."""
+        per_rank = [0] * n
         for seg in rows:
-            plans = build(problem.layout, local_len, n, args.is_causal, masks[seg])
-            for rr, plan in enumerate(plans):
+            for rr, plan in enumerate(build(problem.layout, local_len, n, args.is_causal, masks[seg])):
                 per_rank[rr] += plan_pairs(plan.tasks)
-            q_lens += sum(t.q_len for t in plans[0].tasks)
-            tasks += len(plans[0].tasks)
-        return max(per_rank) / batch, sum(per_rank) / batch, q_lens / max(1, tasks)
+        return max(per_rank) / batch, sum(per_rank) / batch
 
-    ring_pairs, total_pairs, ring_q_block = per_row(ring_plans)
+    ring_pairs, total_pairs = per_row(ring_plans)
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
     ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
-                      ring_calls=calls.get("ring", 1),
-                      ring_q_block=max(1, int(ring_q_block)), allgather_pairs=ag_pairs,
-                      allgather_calls=calls.get("allgather", 1), total_pairs=total_pairs,
-                      ulysses_calls=calls.get("ulysses", 1), kernels=tuple(kernels.items()))
-    machine = machine_for(config.cost_machine)
-    return rank_strategies(allowed, shape, machine)
+                      ring_calls=launches.get("ring", 1),
+                      ring_q_block=max(1, int(rows_per_launch.get("ring", local_len))), allgather_pairs=ag_pairs,
+                      allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
+                      ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()))
+    return shape, allowed
 
 
 def _keys_per_round(build, layout, local_len: int, n: int, is_causal: bool, row_masks) -> float:
@@ -410,21 +449,47 @@ def _keys_per_round(build, layout, local_len: int, n: int, is_causal: bool, row_
     return sum(widths) / len(widths) if widths else float(local_len)
 
 
-def _kernel_calls(plan, kernel: Kernel) -> int:
-    """Kernel calls of one rank's plan (a varlen plan is one launch where the kernel makes it one)."""
+def _plan_tasks(plan) -> list:
+    """Every task of one rank's plan (a tuple: one plan per batch row)."""
     if isinstance(plan, tuple):
-        return sum(_kernel_calls(p, kernel) for p in plan)
+        return [t for p in plan for t in _plan_tasks(p)]
+    return list(plan.tasks)
+
+
+def _launches(plan, kernel: Kernel) -> tuple[int, int]:
+    """(kernel launches of one pass, forward or backward, query rows they cover) of one rank's
+    plan as the executors run it: a varlen plan is one launch where the kernel makes it one; a
+    ring plan is its fused steps' launches where the kernel has a one-launch varlen form and
+    dtcp.config.ring_one_launch is on (plan/fuse.py fused_launches, as exec/fused.py decides),
+    else one launch per task."""
+    if isinstance(plan, tuple):
+        parts = [_launches(p, kernel) for p in plan]
+        return sum(c for c, _ in parts), sum(r for _, r in parts)
     if isinstance(plan, VarlenPlan):
-        return 1 if kernel.varlen_one_launch else len(plan.seq_lens)
-    return len(plan.tasks) if hasattr(plan, "tasks") else sum(len(step.tasks) for step in plan.steps)
+        rows = sum(q_len for q_len, _ in plan.seq_lens)
+        return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
+    if isinstance(plan, RingPlan) and kernel.varlen_one_launch and config.ring_one_launch:
+        fused = fused_launches(plan, kernel.reject_varlen_reason)
+        if fused is not None:
+            return sum(map(len, fused)), sum(launch.cu_q[-1] for step in fused for launch in step)
+    return len(plan.tasks), sum(t.q_len for t in plan.tasks)
 
 
-def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool):
-    """(this rank's plan, kernel) for one exchange, or ValueError. The ring adds attention sinks
+def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool,
+                     target: Optional[Target] = None):
+    """(rank r's plan, kernel) for one exchange, or ValueError (see _plans_and_kernel)."""
+    plans, kernel = _plans_and_kernel(exchange, layout, q, k, v, args, row_segments, n, sinks, target)
+    return plans[r], kernel
+
+
+def _plans_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, sinks: bool,
+                      target: Optional[Target] = None):
+    """(every rank's plan, kernel) for one exchange, or ValueError. The ring adds attention sinks
     itself, once per row after merging, so any kernel serves it; under the all-gather schedule each
-    row is one kernel call and the kernel adds them."""
+    row is one kernel call and the kernel adds them. `target`: choose the kernel for an assumed
+    device (predictions on meta tensors)."""
     local_len = q.shape[2]
-    features = dict(v=v, softcap=args.softcap_or_none, sinks=sinks and exchange == "allgather")
+    features = dict(v=v, softcap=args.softcap_or_none, sinks=sinks and exchange == "allgather", target=target)
     distinct = list(dict.fromkeys(row_segments))
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in distinct}
     build = allgather_plans if exchange == "allgather" else ring_plans
@@ -444,11 +509,11 @@ def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n:
             except ValueError:
                 kernel = None
             if kernel is not None and (per_row or kernel.varlen_one_launch):
-                return rank_plans[r], kernel
+                return rank_plans, kernel
     kernel = select_kernel(args.backend, q, k, all_tasks, **features)
     if per_row:
-        return tuple(row_plans[seg][r] for seg in row_segments), kernel
-    return row_plans[distinct[0]][r], kernel
+        return [tuple(row_plans[seg][rr] for seg in row_segments) for rr in range(n)], kernel
+    return list(row_plans[distinct[0]]), kernel
 
 
 # ---- running -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from ..plan import Task
-from .base import Kernel, VarlenSeqs, acc_dtype, band_mask, band_mask_traceable, default_scale
+from .base import Kernel, Target, VarlenSeqs, acc_dtype, band_mask, band_mask_traceable, default_scale
 from .cpu_flash import CpuFlashKernel
 from .cudnn import CudnnKernel
 from .fa2 import FlashAttnPackageKernel
@@ -20,7 +20,7 @@ from .math import MathKernel
 
 log = logging.getLogger("dtcp")
 
-__all__ = ["Kernel", "VarlenSeqs", "KERNELS", "AUTO_ORDER", "select_kernel", "acc_dtype", "default_scale",
+__all__ = ["Kernel", "Target", "VarlenSeqs", "KERNELS", "AUTO_ORDER", "select_kernel", "acc_dtype", "default_scale",
            "band_mask", "band_mask_traceable", "flash_band_reason"]
 
 KERNELS: dict[str, Kernel] = {
@@ -38,29 +38,31 @@ AUTO_ORDER = {"cpu": ("cpu_flash", "math"), "cuda": ("fa4", "cudnn", "flash", "f
 
 def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, tasks: list[Task],
                   varlen: tuple = None, *, v: torch.Tensor = None, softcap: float = None,
-                  sinks: bool = False) -> Kernel:
+                  sinks: bool = False, target: Target = None) -> Kernel:
     """The kernel named by `backend`, or for "auto" the fastest that serves every task.
 
     `varlen` = (seq_lens, window) asks for a kernel that takes the tasks as one varlen call (see
     Kernel.reject_varlen_reason); "auto" then prefers kernels that do it in one launch (many small
     tasks are one launch there and one launch each elsewhere). `v`, `softcap` and `sinks` (the
     kernel must add the sinks itself) ask for the optional features (Kernel.feature_reason).
+    `target`: decide for an assumed device instead of q's (kernels/base.py Target: dtcp.explain
+    on meta tensors asks what CUDA would run); only the tensors' shapes and dtypes are read then.
     Raises ValueError with every kernel's reason when none can serve."""
     def reason(kernel: Kernel):
-        why = kernel.feature_reason(q, v, softcap, sinks) or kernel.reject_reason(q, k, tasks)
+        why = kernel.feature_reason(q, v, softcap, sinks, target) or kernel.reject_reason(q, k, tasks, target)
         if why is None and varlen is not None:
             why = kernel.reject_varlen_reason(*varlen)
         return why
 
     if backend == "auto":
         reasons = []
-        order = AUTO_ORDER.get(q.device.type, ("math",))
+        order = AUTO_ORDER.get(q.device.type if target is None else target.device_type, ("math",))
         if varlen is not None:
             order = sorted(order, key=lambda name: not KERNELS[name].varlen_one_launch)
         for name in order:
             why = reason(KERNELS[name])
             if why is None:
-                log.debug("dtcp: backend='auto' picked %r on %s %s", name, q.device.type, q.dtype)
+                log.debug("dtcp: backend='auto' picked %r on %s %s", name, target or q.device.type, q.dtype)
                 return KERNELS[name]
             reasons.append(why)
         raise ValueError("backend='auto' found no kernel for this request: " + "; ".join(reasons))

@@ -51,6 +51,23 @@ def default_scale(head_dim: int) -> float:
 
 
 @dataclass(frozen=True)
+class Target:
+    """The device a kernel is chosen for, where it is not the tensors' own: a GPU *assumed*, not
+    present. `dtcp.explain` on meta tensors predicts what a call on CUDA would run, so it asks the
+    kernels with `Target("cuda", capability)`: device type "cuda", that compute capability, and
+    every optional kernel package (FlashAttention-4, flash-attn) counted as installed; nothing is
+    imported and no device is queried. Kernel methods take `target=None` for the tensors' device."""
+
+    device_type: str
+    capability: tuple[int, int] = (9, 0)
+
+
+def device_type(q, target: Optional[Target]) -> str:
+    """The device type a kernel decides for: the target's, else q's."""
+    return q.device.type if target is None else target.device_type
+
+
+@dataclass(frozen=True)
 class VarlenSeqs:
     """The sequences of one varlen call: cumulative lengths on the host (cu_q, cu_k) and as int32
     tensors on the device (cu_q_t, cu_k_t), and the longest query and key lengths."""
@@ -71,12 +88,14 @@ class Kernel:
     takes_sinks = False  # forward(sink=...)
     takes_value_head_dim = False  # v's head dim may differ from q's and k's
 
-    def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task]) -> Optional[str]:
-        """None when this kernel can serve every task on these inputs, else why not."""
+    def reject_reason(self, q: torch.Tensor, k: torch.Tensor, tasks: Iterable[Task],
+                      target: Optional[Target] = None) -> Optional[str]:
+        """None when this kernel can serve every task on these inputs, else why not. `target`: an
+        assumed device to decide for instead of q's (Target); only q's shape and dtype are read then."""
         raise NotImplementedError
 
     def feature_reason(self, q: torch.Tensor, v: Optional[torch.Tensor], softcap: Optional[float],
-                       sinks: bool) -> Optional[str]:
+                       sinks: bool, target: Optional[Target] = None) -> Optional[str]:
         """Why this kernel cannot take the optional features asked for, or None."""
         if softcap is not None and not self.takes_softcap:
             return f"{self.name} has no softcap"
@@ -143,11 +162,71 @@ def full_or_square_causal_reason(tasks: Iterable[Task], name: str) -> Optional[s
     return None
 
 
-def cuda_half_reason(q: torch.Tensor, name: str, max_head_dim: int) -> Optional[str]:
+@dataclass(frozen=True)
+class KeyedBlock:
+    """The part of a band-masked q_len x k_len block that has work: query rows r0:r1 (exactly the
+    rows that see at least one key) and keys c0:c1 (exactly the keys some row sees), with `band`
+    the same mask in the sub-block's own indices (bounds that cannot bind dropped). Row 0 of the
+    sub-block sees its key 0 and its last row its last key, so the sub-block's bottom-right window
+    has no negative bound. `empty` when no row sees any key."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    band: Band
+
+    @property
+    def empty(self) -> bool:
+        return self.r1 <= self.r0
+
+    def whole(self, q_len: int, k_len: int) -> bool:
+        """No row and no key left out."""
+        return (self.r0, self.r1, self.c0, self.c1) == (0, q_len, 0, k_len)
+
+
+def keyed_block(q_len: int, k_len: int, lo: Optional[int], hi: Optional[int]) -> KeyedBlock:
+    """The rows and keys of band (lo, hi) (key j visible from query i iff lo <= j - i <= hi, None =
+    unbounded) on a q_len x k_len block that have work: see KeyedBlock. Kernels whose own mask
+    misreads rows without keys (FlashAttention-2's lse, FlashAttention-4's block ranges) run only
+    this sub-block and give the rows left out out 0, lse -inf."""
+    if q_len <= 0 or k_len <= 0 or (lo is not None and hi is not None and lo > hi):
+        return KeyedBlock(0, 0, 0, 0, Band(None, None))
+    # Row i sees keys [max(0, i + lo), min(k_len - 1, i + hi)]: some iff i + hi >= 0 and i + lo < k_len.
+    r0 = 0 if hi is None else max(0, -hi)
+    r1 = q_len if lo is None else min(q_len, k_len - lo)
+    if r0 >= r1:
+        return KeyedBlock(0, 0, 0, 0, Band(None, None))
+    c0 = 0 if lo is None else max(0, r0 + lo)
+    c1 = k_len if hi is None else min(k_len, r1 + hi)
+    sub = Band(None if lo is None else lo + r0 - c0, None if hi is None else hi + r0 - c0)
+    return KeyedBlock(r0, r1, c0, c1, sub.normalized(r1 - r0, c1 - c0))
+
+
+def keyless_sequence(seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """The first (q_len, k_len) sequence of a varlen call under this bottom-right window whose
+    first rows see no key (more queries than keys under a right bound), or None. (The window's
+    left side never leaves the last rows without one: bottom-right, the last row sees the last
+    key.) A varlen launch cannot be cut into sub-blocks, so kernels that misread such rows refuse it."""
+    right = window[1]
+    for q_len, k_len in seq_lens:
+        if q_len > 0 and (k_len == 0 or (right >= 0 and k_len - q_len + right < 0)):
+            return (q_len, k_len)
+    return None
+
+
+def no_key_rows(shape, dtype, device, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """lse (B, H, n) of rows that see no key: -inf, or the sink's logit per head (out stays 0)."""
+    if sink is None:
+        return torch.full(shape, float("-inf"), dtype=dtype, device=device)
+    return sink.to(device=device, dtype=dtype)[None, :, None].expand(shape).clone()
+
+
+def cuda_half_reason(q: torch.Tensor, name: str, max_head_dim: int, target: Optional[Target] = None) -> Optional[str]:
     """Why a CUDA fp16/bf16 kernel taking head dims that are multiples of 8 up to max_head_dim
-    cannot take q, or None."""
-    if q.device.type != "cuda":
-        return f"{name} needs CUDA tensors; got {q.device.type}"
+    cannot take q (on `target`, else on q's device), or None."""
+    if device_type(q, target) != "cuda":
+        return f"{name} needs CUDA tensors; got {device_type(q, target)}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{name} takes float16/bfloat16; got {q.dtype}"
     if q.shape[-1] > max_head_dim or q.shape[-1] % 8:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
-from .base import Kernel, acc_dtype, full_or_square_causal_reason
+from .base import Kernel, acc_dtype, device_type, full_or_square_causal_reason
 
 
 class CpuFlashKernel(Kernel):
@@ -15,9 +15,9 @@ class CpuFlashKernel(Kernel):
     supports_varlen = True  # the base class's loop
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-    def reject_reason(self, q, k, tasks):
-        if q.device.type != "cpu":
-            return f"cpu_flash runs on CPU tensors; got {q.device.type}"
+    def reject_reason(self, q, k, tasks, target=None):
+        if device_type(q, target) != "cpu":
+            return f"cpu_flash runs on CPU tensors; got {device_type(q, target)}"
         if q.dtype not in self.dtypes:
             return f"cpu_flash takes {self.dtypes}; got {q.dtype}"
         return full_or_square_causal_reason(tasks, "cpu_flash")

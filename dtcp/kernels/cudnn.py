@@ -14,8 +14,8 @@ class CudnnKernel(Kernel):
 
     name = "cudnn"
 
-    def reject_reason(self, q, k, tasks):
-        why = cuda_half_reason(q, "cudnn", 128)
+    def reject_reason(self, q, k, tasks, target=None):
+        why = cuda_half_reason(q, "cudnn", 128, target)
         if why is not None:
             return why
         tasks = list(tasks)

@@ -15,10 +15,10 @@ class FlashAttnPackageKernel(Kernel):
     name = "fa2"
     takes_softcap = True
 
-    def reject_reason(self, q, k, tasks):
-        if _compat.flash_attn_package_ops() is None:
+    def reject_reason(self, q, k, tasks, target=None):
+        if target is None and _compat.flash_attn_package_ops() is None:  # (an assumed GPU has it)
             return 'fa2 needs the flash-attn package (pip install -e ".[fa2]"); it is not installed'
-        return flash2_reason(q, tasks, "fa2")
+        return flash2_reason(q, tasks, "fa2", target)
 
     def forward(self, q, k, v, lo, hi, scale, softcap=None, sink=None):
         fwd, _ = _compat.flash_attn_package_ops()

@@ -27,7 +27,7 @@ each band-masked block on the rows that see a key and the keys some row sees, wh
 >= 0, row 0 sees key 0 and the last row the last key (exact by construction; a strictly-lower band
 (None, -1) becomes FA4's causal kernel). The rows left out get out 0 and lse -inf (the sink, with a
 sink); the keys left out get dK = dV = 0. Varlen calls cannot be cut so; sequences whose first rows
-see no key are refused there (the per-task schedule, or flash's varlen launch, serves them).
+see no key are refused there (the per-task schedule serves them; flash refuses them too).
 
 Head dims: on Hopper, FA4 4.0.0b36's backward returns a wrong dq (and GQA dk/dv) for head dims
 <= 128 that round up to an odd number of 16s (16, 48, 80, 112: measured on H200), so those are
@@ -42,8 +42,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..plan import Band
-from .base import Kernel, VarlenSeqs, seq_slice
+from .base import Kernel, Target, VarlenSeqs, device_type, keyed_block, keyless_sequence, no_key_rows, seq_slice
 
 INSTALL_HINT = 'pip install "dtcp[flash]"'
 
@@ -88,8 +87,13 @@ def _index(q: torch.Tensor) -> int:
     return q.device.index if q.device.index is not None else torch.cuda.current_device()
 
 
-def _major(q: torch.Tensor) -> int:
-    return _capability(_index(q))[0]
+def _capability_of(q: torch.Tensor, target: Optional[Target]) -> tuple[int, int]:
+    """q's GPU's compute capability, or the assumed target's (no device queried)."""
+    return _capability(_index(q)) if target is None else target.capability
+
+
+def _major(q: torch.Tensor, target: Optional[Target] = None) -> int:
+    return _capability_of(q, target)[0]
 
 
 def _head_dims_reason(d: int, dv: int, major: int) -> Optional[str]:
@@ -125,16 +129,19 @@ def _head_dims_reason(d: int, dv: int, major: int) -> Optional[str]:
     return f"fa4 in dtcp knows compute capabilities 9.x to 12.x; got {major}.x"
 
 
-def _device_reason(q: torch.Tensor) -> Optional[str]:
-    """Device, dtype, installation and compute capability: why FA4 cannot run on q's device."""
-    if q.device.type != "cuda":
-        return f"fa4 needs CUDA tensors; got {q.device.type}"
+def _device_reason(q: torch.Tensor, target: Optional[Target] = None) -> Optional[str]:
+    """Device, dtype, installation and compute capability: why FA4 cannot run on q's device (or
+    on an assumed `target`, where FA4 counts as installed and is not imported)."""
+    if device_type(q, target) != "cuda":
+        return f"fa4 needs CUDA tensors; got {device_type(q, target)}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"fa4 takes float16/bfloat16; got {q.dtype}"
-    major, minor = _capability(_index(q))
+    major, minor = _capability_of(q, target)
     if major < 9:
         return (f"fa4 needs compute capability >= 9.0 (FA4 has no backward before Hopper); got {major}.{minor}: "
                 "use backend='flash' or 'cudnn'")
+    if target is not None:
+        return None
     _, why = fa4_interface()
     return why
 
@@ -175,21 +182,13 @@ class Fa4Call:
 def fa4_call(q_len: int, k_len: int, lo: Optional[int], hi: Optional[int]) -> Fa4Call:
     """The FA4 call that computes band (lo, hi) (key j visible from query i iff lo <= j - i <= hi,
     None = unbounded) on a q_len x k_len block: exact, see the module docstring."""
-    nothing = Fa4Call(0, 0, 0, 0, None, None)
-    if q_len <= 0 or k_len <= 0 or (lo is not None and hi is not None and lo > hi):
-        return nothing
-    # Row i sees keys [max(0, i + lo), min(k_len - 1, i + hi)]: some iff i + hi >= 0 and i + lo < k_len.
-    r0 = 0 if hi is None else max(0, -hi)
-    r1 = q_len if lo is None else min(q_len, k_len - lo)
-    if r0 >= r1:
-        return nothing
-    c0 = 0 if lo is None else max(0, r0 + lo)
-    c1 = k_len if hi is None else min(k_len, r1 + hi)
-    sq, sk = r1 - r0, c1 - c0
-    # The band in the sub-block's own indices (i = i' + r0, j = j' + c0), bounds that cannot bind dropped.
-    sub = Band(None if lo is None else lo + r0 - c0, None if hi is None else hi + r0 - c0).normalized(sq, sk)
-    left, right = sub.aligned_window(sq, sk)  # the inverse of Band.from_aligned_window; -1 = unbounded
-    call = Fa4Call(r0, r1, c0, c1, None if sub.lo is None else left, None if sub.hi is None else right)
+    kb = keyed_block(q_len, k_len, lo, hi)
+    if kb.empty:
+        return Fa4Call(0, 0, 0, 0, None, None)
+    sq, sk = kb.r1 - kb.r0, kb.c1 - kb.c0
+    left, right = kb.band.aligned_window(sq, sk)  # the inverse of Band.from_aligned_window; -1 = unbounded
+    call = Fa4Call(kb.r0, kb.r1, kb.c0, kb.c1, None if kb.band.lo is None else left,
+                   None if kb.band.hi is None else right)
     # Row 0 sees key 0 and the last row the last key, so a bounded side is never negative (FA4
     # reads a negative bound literally, and two negative ones as "unbounded").
     assert (call.left is None or call.left >= 0) and (call.right is None or call.right >= 0), \
@@ -208,23 +207,12 @@ def fa4_varlen_window(window: tuple[int, int]) -> dict:
 
 def fa4_varlen_reason(seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[str]:
     """Why one FA4 varlen call with this bottom-right window is not known to be exact on these
-    sequences, or None: every row of a sequence must see a key (see the module docstring; a
-    window's left side never leaves the last rows without one)."""
-    right = window[1]
-    for q_len, k_len in seq_lens:
-        if q_len == 0:
-            continue
-        if k_len == 0 or (right >= 0 and k_len - q_len + right < 0):
-            return (f"fa4 takes no varlen sequence whose first rows see no key (a {q_len}x{k_len} sequence under the "
-                    f"bottom-right window {tuple(window)}): use backend='flash' or 'auto', which takes another kernel")
+    sequences, or None: every row of a sequence must see a key (see the module docstring)."""
+    bad = keyless_sequence(seq_lens, window)
+    if bad is not None:
+        return (f"fa4 takes no varlen sequence whose first rows see no key (a {bad[0]}x{bad[1]} sequence under the "
+                f"bottom-right window {tuple(window)}): use backend='auto', which takes another kernel")
     return None
-
-
-def _sink_rows(sink: Optional[torch.Tensor], shape, device) -> torch.Tensor:
-    """lse of rows that see no key: -inf, or the sink's logit (out stays 0)."""
-    if sink is None:
-        return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
-    return sink.to(device=device, dtype=torch.float32)[None, :, None].expand(shape).clone()
 
 
 class Fa4Kernel(Kernel):
@@ -239,11 +227,11 @@ class Fa4Kernel(Kernel):
     takes_value_head_dim = True
 
     # ---- what it refuses --------------------------------------------------------------------------------
-    def feature_reason(self, q, v, softcap, sinks):
-        why = super().feature_reason(q, v, softcap, sinks) or _device_reason(q)
+    def feature_reason(self, q, v, softcap, sinks, target=None):
+        why = super().feature_reason(q, v, softcap, sinks) or _device_reason(q, target)
         if why is not None:
             return why
-        major, d = _major(q), q.shape[-1]
+        major, d = _major(q, target), q.shape[-1]
         dv = d if v is None else v.shape[-1]
         why = _head_dims_reason(d, dv, major)
         if why is not None:
@@ -257,12 +245,12 @@ class Fa4Kernel(Kernel):
             return f"fa4 has no softcap backward on compute capability {major}.x with head dim {d}: use backend='flex'"
         return None
 
-    def reject_reason(self, q, k, tasks):
-        why = _device_reason(q)
+    def reject_reason(self, q, k, tasks, target=None):
+        why = _device_reason(q, target)
         if why is not None:
             return why
         # q/k's head dim with some v head dim FA4 pairs it with (v's own is feature_reason's).
-        major, d = _major(q), q.shape[-1]
+        major, d = _major(q, target), q.shape[-1]
         if any(_head_dims_reason(d, dv, major) is None for dv in (d, 128)):
             return None
         return _head_dims_reason(d, d, major)
@@ -293,7 +281,7 @@ class Fa4Kernel(Kernel):
         if call.whole(lq, lk):
             return self._forward_call(_interface(), q, k, v, call, scale, softcap, sink)
         out = torch.zeros((b, hq, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = _sink_rows(sink, (b, hq, lq), q.device)
+        lse = no_key_rows((b, hq, lq), torch.float32, q.device, sink)
         if not call.empty:
             rows, keys = seq_slice(call.r0, call.r1), seq_slice(call.c0, call.c1)
             o, l = self._forward_call(_interface(), q[rows], k[keys], v[keys], call, scale, softcap, sink)

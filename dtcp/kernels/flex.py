@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .. import _compat
-from .base import Kernel, acc_dtype
+from .base import Kernel, acc_dtype, device_type
 
 _FLEX_BLOCK = 128
 
@@ -95,9 +95,9 @@ class FlexKernel(Kernel):
     name = "flex"
     takes_softcap = True
 
-    def reject_reason(self, q, k, tasks):
-        if q.device.type != "cuda":
-            return f"flex needs CUDA tensors (flex_attention has no backward on CPU); got {q.device.type}"
+    def reject_reason(self, q, k, tasks, target=None):
+        if device_type(q, target) != "cuda":
+            return f"flex needs CUDA tensors (flex_attention has no backward on CPU); got {device_type(q, target)}"
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"flex takes float16/bfloat16/float32; got {q.dtype}"
         if q.shape[-1] < 16:

@@ -17,7 +17,7 @@ class MathKernel(Kernel):
     takes_sinks = True
     takes_value_head_dim = True
 
-    def reject_reason(self, q, k, tasks):
+    def reject_reason(self, q, k, tasks, target=None):
         if not q.is_floating_point():
             return f"math needs floating-point inputs; got {q.dtype}"
         return None

@@ -10,6 +10,7 @@ Pure index math (one module per layout) plus `sharding`, which applies it to ten
 
 from __future__ import annotations
 
+from .balanced import Balanced
 from .base import Layout, check_window
 from .contiguous import Contiguous, SlidingWindow
 from .doczigzag import DocZigzag
@@ -17,7 +18,7 @@ from .grouped import Grouped
 from .striped import Striped
 from .zigzag import Zigzag
 
-__all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "Grouped", "layout_from_spec",
+__all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "Balanced", "Grouped", "layout_from_spec",
            "check_window", "DEFAULT_LAYOUT"]
 
 #: the layout of every function that takes one, unless told otherwise (balanced causal work)
@@ -41,6 +42,8 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
             return Striped(int(arg) if arg else 1)
         if name == "doczigzag" and arg:
             return DocZigzag(tuple(int(n) for n in arg.split(",") if n))
+        if name == "balanced" and arg:
+            return Balanced(tuple(int(n) for n in arg.split(",") if n))
         if name == "grouped":
             inner, _, base = arg.partition(":")
             return Grouped(layout_from_spec(base), int(inner))
@@ -50,4 +53,4 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
     except ValueError as e:
         raise ValueError(f"layout {spec!r}: {e}") from None
     raise ValueError(f"unknown layout {spec!r}; use 'contiguous', 'zigzag', 'striped[:block]', 'window:left[:right]' "
-                     "or 'doczigzag:len,len,...'")
+                     "'doczigzag:len,len,...' or 'balanced:len,len,...'")

@@ -4,7 +4,7 @@ no tensors). `ring` and `allgather` build every rank's plan; `ulysses` the head 
 ranks strategies with."""
 
 from .allgather import AllGatherPlan, VarlenPlan, allgather_plans, allgather_reason, varlen_reason
-from .documents import row_cu_seqlens, segments_from_cu_seqlens
+from .documents import chunk_segments, row_cu_seqlens, segments_from_cu_seqlens
 from .cost import MACHINES, CallShape, Machine, Prediction, plan_pairs, predict, task_pairs
 from .exchange import KV_EXCHANGES, STRATEGIES, check_kv_exchange, check_strategy, exchange_candidates
 from .mask import AttnMask, Band, Task, band_tasks
@@ -12,7 +12,7 @@ from .ring import RingPlan, Step, ring_plan, ring_plans
 from .ulysses import HeadSplit, UlyssesPlan, head_splits, inner_layout, ulysses_plan
 
 __all__ = [
-    "AllGatherPlan", "VarlenPlan", "allgather_plans", "allgather_reason", "varlen_reason", "row_cu_seqlens",
+    "AllGatherPlan", "VarlenPlan", "chunk_segments", "allgather_plans", "allgather_reason", "varlen_reason", "row_cu_seqlens",
     "segments_from_cu_seqlens", "KV_EXCHANGES", "check_kv_exchange", "exchange_candidates", "AttnMask", "Band",
     "Task", "band_tasks", "RingPlan", "Step", "ring_plan", "ring_plans", "STRATEGIES", "check_strategy",
     "MACHINES", "CallShape", "Machine", "Prediction", "plan_pairs", "predict", "task_pairs", "HeadSplit",

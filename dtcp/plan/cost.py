@@ -5,12 +5,18 @@ kernel time at measured rates, and what overlaps with what. Pure Python over num
 Per rank, with B batch rows, Hq/Hkv heads, head dims D (q, k) and Dv (v), L local tokens of N
 ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves visible:
 
-* kernel time = 2 * B * heads * pairs * (D + Dv) flops (x 3.5 with the backward) at the rate of
-  the kernel that serves the strategy's schedule (`kernel_rates`: cuDNN takes only full and square
-  causal blocks, so a schedule of bands or of L x S blocks runs on another kernel), slowed for
-  small blocks (rate * r / (r + `kernel_half_rows`), r = query rows x heads x batch: the
-  kernel's grid, which a short block with few heads does not fill), plus `call_overhead_s` per kernel
-  call (three with the backward: forward, backward and the merge);
+* kernel time, on the slowest rank = 2 * B * heads * pairs * (D + Dv) flops (x 3.5 with the
+  backward) at the rate of the kernel that serves the strategy's schedule (`kernel_rates`: cuDNN
+  takes only full and square causal blocks, so a schedule of bands or of L x S blocks runs on
+  another kernel), slowed for small launches (rate * r / (r + `kernel_half_rows`), r = query rows
+  x heads x batch of one launch: the kernel's grid, which a short block with few heads does not
+  fill), plus `launch_s` of device time per launch (twice with the backward: the forward's and
+  the backward's). `pairs` is the rank with the most work's (a ring or all-gather over an
+  unbalanced layout, e.g. zigzag over a long-tailed document mix, waits for it), and launches are
+  those of the rank that launches most: a ring step's tasks as one varlen launch per window where
+  the kernel has a one-launch form (plan/fuse.py), else one per task. The host's
+  `call_overhead_s` per launch (three with the backward: forward, backward and the merge) hides
+  behind the device's work unless it is the larger;
 * **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * K * (D + Dv) * e bytes,
   K the keys of the block its holders use: L, or a window's span; in the backward K/V plus
   float32 dK/dV) with one block's kernels; the slowest rank's pairs set the step (contiguous
@@ -55,6 +61,12 @@ class Machine:
     memory_bytes_per_s: float  # device memory, for reordering copies (read + write counted)
     kernel_rates: tuple = ()  # (kernel name, fwd+bwd flops/s on long square causal blocks), where known
     fixed_s: tuple = ()  # (strategy, host seconds per call beyond its kernels and transfers)
+    # Device time each kernel launch adds beyond its flops (its grid's ramp-up and tail, the merge
+    # after a ring launch), per pass. PROVISIONAL: 15 us is an estimate, not a measurement; the
+    # per-rank runs of benchmarks/bench_split.py are to measure it (issue 23).
+    launch_s: float = 15e-6
+    # The GPU's compute capability: what kernels a prediction on meta tensors assumes (FA4 needs >= 9.0)
+    compute_capability: tuple = (9, 0)
 
     def rate_of(self, kernel: Optional[str]) -> float:
         return dict(self.kernel_rates).get(kernel, self.kernel_flops_per_s)
@@ -81,7 +93,9 @@ MACHINES: dict[str, Machine] = {
 
 @dataclass(frozen=True)
 class CallShape:
-    """What the model needs of one call (per rank; the same on every rank)."""
+    """What the model needs of one call: per rank, the slowest rank's figures (the same on every
+    rank: every rank computes them for all ranks). dtcp.exec.route.call_shape fills them from
+    the plans."""
 
     batch: int
     q_heads: int
@@ -94,12 +108,12 @@ class CallShape:
     backward: bool = True
     # per strategy, filled by whoever knows the plans: the slowest rank's visible pairs, the
     # number of kernel calls, their typical query length and the ring's rounds
-    ring_pairs: float = 0
+    ring_pairs: float = 0  # the slowest rank's visible pairs (per batch row)
     ring_rounds: int = 0
     ring_kv_len: Optional[float] = None  # keys one ring transfer carries (a window's span; None: the whole block)
-    ring_calls: int = 1
-    ring_q_block: int = 0
-    allgather_pairs: float = 0
+    ring_calls: int = 1  # kernel launches per pass of the rank that launches most (fused steps: plan/fuse.py)
+    ring_q_block: int = 0  # query rows per launch of the slowest rank
+    allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
     ulysses_calls: int = 1  # kernel calls after the head exchange (one per document without a varlen kernel)
@@ -123,6 +137,8 @@ class Prediction:
     comm_s: float  # all communication time
     exposed_comm_s: float  # the part no kernel hides
     note: str = ""
+    kernel: Optional[str] = None  # the kernel the strategy's schedule runs on (None: the machine's default rate)
+    launches: int = 0  # kernel launches per pass on the rank that launches most
 
 
 def task_pairs(task: Task) -> int:
@@ -158,9 +174,10 @@ def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: O
     """Kernel time of `flops` in calls of `rows` query rows x heads x batch each."""
     peak = machine.rate_of(kernel)
     rate = peak * rows / (rows + machine.kernel_half_rows) if rows > 0 else 1.0
+    device = flops / rate + calls * machine.launch_s * (2 if backward else 1)
     # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
     # is the larger (many small calls: documents, short sequences).
-    return max(flops / rate, calls * machine.call_overhead_s * (3 if backward else 1.5))
+    return max(device, calls * machine.call_overhead_s * (3 if backward else 1.5))
 
 
 def _flops(shape: CallShape, heads: float, pairs: float) -> float:
@@ -202,7 +219,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, kv_len, shape.q_heads,
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
                                              shape.ring_q_block or shape.local_len, shape.kernel_of("ring"))
-        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed)
+        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed,
+                          kernel=shape.kernel_of("ring"), launches=shape.ring_calls)
     if strategy == "allgather":
         kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs),
                            shape.local_len * shape.q_heads * b, shape.allgather_calls, shape.kernel_of("allgather"),
@@ -214,7 +232,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
             comm += machine.latency_s + (n - 1) * kv * 4 / machine.collective_bytes_per_s
             copies += 2 * n * kv * 4 / machine.memory_bytes_per_s  # float32 dK/dV summed into the send buffer
         fixed = machine.fixed_of("allgather")
-        return Prediction("allgather", kernel + comm + copies + fixed, kernel, comm, comm + copies)
+        return Prediction("allgather", kernel + comm + copies + fixed, kernel, comm, comm + copies,
+                          kernel=shape.kernel_of("allgather"), launches=shape.allgather_calls)
     if strategy in HEAD_STRATEGIES:
         u = n if strategy == "ulysses" else shape.ulysses_degree
         if u < 1 or n % u:
@@ -239,7 +258,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
                                n * l_len * shape.q_heads / u * b / shape.ulysses_calls, shape.ulysses_calls,
                                shape.kernel_of("ulysses"), shape.backward)
             fixed = machine.fixed_of("ulysses")
-            return Prediction("ulysses", kernel + comm + copies + fixed, kernel, comm, comm + copies)
+            return Prediction("ulysses", kernel + comm + copies + fixed, kernel, comm, comm + copies,
+                              kernel=shape.kernel_of("ulysses"), launches=shape.ulysses_calls)
         r = n // u
         # the links of `outer`, everything else (kernels, host, memory) of `machine`
         across = machine if outer is None else replace(machine, p2p_bytes_per_s=outer.p2p_bytes_per_s,
@@ -251,7 +271,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
             shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))
         note = f"ulysses {u} x ring {r}"
         return Prediction("hybrid", ring_total + comm + copies + machine.fixed_of("hybrid"), kernel, comm + ring_comm,
-                          comm + copies + ring_exposed, note)
+                          comm + copies + ring_exposed, note, kernel=shape.kernel_of("hybrid"),
+                          launches=shape.hybrid_calls)
     raise ValueError(f"predict: unknown strategy {strategy!r}")
 
 

@@ -26,6 +26,17 @@ def segments_from_cu_seqlens(cu: tuple[int, ...], seq_len: int, batch: int = 1) 
     return tuple((a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a)
 
 
+def chunk_segments(segments, seq_len: int, chunk_size: int) -> tuple[tuple[int, int], ...]:
+    """Chunked attention (Llama 4's ``attention_chunk_size``): each document [a, b) (the whole row
+    [0, S) when `segments` is None) cut into consecutive chunks of `chunk_size` tokens counted from
+    its own start, the last one shorter. Attention within segments is then attention within
+    chunks within documents: a document packed at any offset sees the chunks it would see alone."""
+    out = []
+    for a, b in segments if segments is not None else ((0, seq_len),):
+        out += [(s, min(s + chunk_size, b)) for s in range(a, b, chunk_size)]
+    return tuple(out)
+
+
 def row_cu_seqlens(cu: tuple[int, ...], batch: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     """Each batch row's document boundaries (0, ..., S) from `cu_seqlens` values (see the module
     docstring for the two forms). Checks the values."""

@@ -1,4 +1,5 @@
-"""GPU tests: run on a machine with at least two CUDA GPUs (NCCL, one process per GPU):
+"""GPU tests: most run on a machine with at least two CUDA GPUs (NCCL, one process per GPU); those
+marked one_gpu simulate N ranks on one GPU:
 
     NCCL_NVLS_ENABLE=0 python -m pytest -q -s tests/gpu
 
@@ -16,10 +17,17 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: dist_harness, reference
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))  # check_correctness
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_gpu: runs on one CUDA GPU (N ranks simulated in one process)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return
-    skip = pytest.mark.skip(reason="needs 2 CUDA GPUs (docs/getting-started.md: run tests/gpu on the GPU machines)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_two = pytest.mark.skip(reason="needs 2 CUDA GPUs (docs/getting-started.md: run tests/gpu on the GPU machines)")
+    skip_one = pytest.mark.skip(reason="needs a CUDA GPU (docs/getting-started.md: run tests/gpu on the GPU machines)")
     for item in items:
-        if os.path.dirname(str(item.fspath)) == HERE:
-            item.add_marker(skip)
+        if os.path.dirname(str(item.fspath)) != HERE:
+            continue
+        needed = 1 if item.get_closest_marker("one_gpu") else 2
+        if gpus < needed:
+            item.add_marker(skip_one if needed == 1 else skip_two)

@@ -11,7 +11,7 @@ import sys
 import types
 from importlib.metadata import version
 
-TORCHTITAN_VERSION = "0.2.2"
+TORCHTITAN_VERSION = "0.2.2"  # what the 0.2.2 helpers below were checked on
 
 
 def make_torchtitan_importable() -> None:
@@ -46,19 +46,47 @@ def torchtitan_version() -> str:
     return version("torchtitan")
 
 
+# The releases dtcp's integration was written against: 0.2.2 (_v022) and 0.3.0 (_v030).
+SUPPORTED = ("0.2.2", "0.3.0")
+
+
+def torchtitan_release() -> tuple[int, int]:
+    """(major, minor) of the installed torchtitan; ImportError naming the fix when it is none of
+    the supported releases (0.2.x, 0.3.x)."""
+    try:
+        found = torchtitan_version()
+    except Exception:
+        raise ImportError("dtcp.integrations.torchtitan needs torchtitan: pip install \"dtcp[torchtitan03]\" "
+                          "(torchtitan 0.3.0, torch >= 2.14) or \"dtcp[torchtitan]\" (torchtitan 0.2.2)") from None
+    parts = found.split(".")
+    try:
+        release = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        release = None
+    if release not in ((0, 2), (0, 3)):
+        raise ImportError(f"dtcp.integrations.torchtitan supports torchtitan {' and '.join(SUPPORTED)}; found "
+                          f"{found}. Install one of them: pip install torchtitan==0.3.0 (torch >= 2.14) or "
+                          "torchtitan==0.2.2")
+    return release
+
+
 class replaced_global:
     """Context manager: within it, the global `name` that function `fn` sees is `value`.
 
     torchtitan 0.2.2's per-model parallelize functions (e.g. parallelize_llama) call the name
     `apply_cp_to_attention_module`, imported into their own module, to hand attention modules to
-    PyTorch's context parallelism. dtcp swaps that one name for the duration of the call."""
+    PyTorch's context parallelism. dtcp swaps that one name for the duration of the call.
 
-    def __init__(self, fn, name: str, value):
+    Also used on torchtitan 0.3.0, whose parallelize_llama / parallelize_qwen3 call
+    `apply_cp_to_forward` (imported into their modules) when spmd_backend is "partial_dtensor".
+    """
+
+    def __init__(self, fn, name: str, value, checked_on: str = TORCHTITAN_VERSION):
         self.globals, self.name, self.value = fn.__globals__, name, value
         if name not in self.globals:
             raise RuntimeError(
                 f"{fn.__module__}.{fn.__qualname__} does not use {name!r}: dtcp's torchtitan "
-                f"integration was written against torchtitan {TORCHTITAN_VERSION}; found "
+                f"integration was written against torchtitan {checked_on}; found "
                 f"{torchtitan_version()}."
             )
 

@@ -1,0 +1,226 @@
+"""Balanced: packed documents placed so that every rank holds S/N tokens and the same causal work.
+
+Zigzag balances causal work over the whole sequence, not per document: on a long-tailed mix
+(a few long documents, many short ones) one rank can hold 3x another's work. Per-document zigzag
+(DocZigzag) balances exactly but cuts every document into 2N pieces, padded. `Balanced` does
+neither blindly. For the batch's document lengths it picks the fewest documents to cut:
+
+* the k longest documents are *cut* zigzag-style into 2N chunks (rank r holds chunks r and
+  2N-1-r of each), which balances their causal work exactly; their odd tokens go to the ranks
+  holding the fewest so far, so token counts never differ by more than one;
+* every other document is *placed whole* on the rank with the least work among those with room
+  for it (longest first); what fits nowhere fills the remaining room in rank order, split at
+  rank boundaries (a piece then sees its earlier piece one rank back).
+
+k grows (0, 1, 2, 3, 4, 6, 8, ...) until the most loaded rank's work is within `TOLERANCE` of
+the mean; only documents whose chunks would hold at least `MIN_CHUNK` tokens are cut (smaller
+pieces cost the kernels more than the imbalance they remove). Equal documents that divide evenly are placed whole (no communication at all);
+a long-tailed mix cuts its few long documents. Work is counted as a causal mask's (query, key)
+pairs: the placement depends on the documents and N only, never on the mask of one layer, so a
+model mixing window and full layers shards its batch once.
+
+No padding: the packed sequence's length must be a multiple of N (pad it with one more
+document). Each rank's tokens stay in increasing global order, as in every layout. The layout
+carries its documents, so `ring_attention(..., layout=Balanced(...))` applies the document mask
+by itself; inside the op the documents travel as the `cu_seqlens` tensor: a new document
+structure every batch is a new input, not a new graph under torch.compile.
+
+    documents 10, 2, 2, 2 over 2 ranks (M = 8; the 10 is cut into 4 chunks of 2 and 3):
+    rank 0:  a0 a1 | a7 a8 a9 | b0 b1 | d0     (chunks 0 and 3 of a, b whole, d's first token)
+    rank 1:  a2 a3 a4 | a5 a6 | c0 c1 | d1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .base import Layout, check_boundaries
+
+#: the most loaded rank's causal work may exceed the mean by this fraction before more documents are cut
+TOLERANCE = 0.02
+#: a document is cut only if its 2N chunks hold at least this many tokens each: smaller pieces run
+#: the kernels far below their rate (a 128-row tile mostly masked), which costs more than the
+#: imbalance it removes (measured on H100 with FA4: log-normal mixes cut into ~200-token chunks ran
+#: 4-16x the kernel time of the whole documents)
+MIN_CHUNK = 512
+
+Run = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Balanced(Layout):
+    """Packed documents balanced over the ranks: equal tokens and equal causal work per rank.
+
+    `doc_lens`: the packed documents' lengths, in order (their sum is S, a multiple of N). See
+    the module docstring for the placement; `dtcp.Balanced.from_cu_seqlens(cu_seqlens)` builds
+    it from a batch's boundaries."""
+
+    doc_lens: tuple[int, ...] = ()
+    name = "balanced"
+
+    def __post_init__(self):
+        if not isinstance(self.doc_lens, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.doc_lens
+        ):
+            raise TypeError(f"Balanced(doc_lens) takes a tuple of non-negative ints; got {self.doc_lens!r}")
+        if sum(self.doc_lens) == 0:
+            raise ValueError("Balanced needs at least one non-empty document")
+        bounds = [0]
+        for n in self.doc_lens:
+            bounds.append(bounds[-1] + n)
+        # A private tensor (not a dataclass field: equality and hashing stay by value).
+        object.__setattr__(self, "cu_seqlens", torch.tensor(bounds, dtype=torch.int32))
+
+    @staticmethod
+    def from_cu_seqlens(cu_seqlens) -> "Balanced":
+        """From the packed sequence's document boundaries: a list or an int tensor (0 = c0 <= ... <= cn = S)."""
+        cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        check_boundaries(cu, "Balanced: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
+        return Balanced(tuple(b - a for a, b in zip(cu, cu[1:])))
+
+    def multiple(self, world_size: int) -> int:
+        return world_size
+
+    def check(self, seq_len: int, world_size: int) -> None:
+        total = sum(self.doc_lens)
+        if seq_len != total:
+            raise ValueError(f"Balanced holds documents of {total} tokens in all; got a sequence of {seq_len}. "
+                             "Build the layout from this batch's boundaries: dtcp.Balanced.from_cu_seqlens(cu_seqlens)")
+        if total % world_size:
+            raise ValueError(f"Balanced over {world_size} ranks needs a packed length that is a multiple of "
+                             f"{world_size}; the documents hold {total} tokens. Pad the packed sequence with one "
+                             f"more document of {-total % world_size} tokens (or more)")
+
+    def runs(self, seq_len, world_size, rank):
+        self.check(seq_len, world_size)
+        return list(balanced_placement(self.doc_lens, world_size)[rank])
+
+    def spec(self) -> str:
+        return "balanced:" + ",".join(str(n) for n in self.doc_lens)
+
+    def rank_work(self, world_size: int) -> tuple[int, ...]:
+        """Each rank's causal (query, key) pairs under the document mask (what the placement balances)."""
+        return placement_work(self.doc_lens, world_size)
+
+
+def _causal_pairs(a: int, b: int) -> int:
+    """Causal (query, key) pairs of the tokens at offsets [a, b) of one document: sum of p + 1."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def _cut_counts(num_docs: int) -> list[int]:
+    """How many of the longest documents to try cutting: 0, 1, 2, 3, 4, 6, 8, 12, ... then all."""
+    counts, k = [0, 1, 2, 3], 4
+    while k < num_docs:
+        counts.append(k)
+        k = k * 3 // 2 if k % 2 == 0 else k + 1
+    return sorted({c for c in counts if c < num_docs} | {num_docs})
+
+
+def balanced_placement(doc_lens: tuple[int, ...], world_size: int, min_chunk=None) -> tuple[tuple[Run, ...], ...]:
+    """Every rank's runs (global [start, end), increasing) for these documents over `world_size`
+    ranks (see the module docstring); only documents of at least 2N x `min_chunk` tokens
+    (default MIN_CHUNK) are cut. Pure and deterministic: every rank computes the same."""
+    return _placement(doc_lens, world_size, MIN_CHUNK if min_chunk is None else min_chunk)
+
+
+@lru_cache(maxsize=256)
+def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tuple[tuple[Run, ...], ...]:
+    n = world_size
+    total = sum(doc_lens)
+    if n < 1 or total % n:
+        raise ValueError(f"balanced_placement: {total} tokens do not split over {n} ranks")
+    docs = []
+    pos = 0
+    for i, length in enumerate(doc_lens):
+        if length:
+            docs.append((length, i, pos))
+        pos += length
+    # longest first; ties keep document order (deterministic on every rank)
+    by_length = sorted(docs, key=lambda d: (-d[0], d[1]))
+    best = None
+    cuttable = sum(1 for length, _, _ in by_length if length >= 2 * n * min_chunk)
+    for k in _cut_counts(cuttable):
+        pieces, work = _place(by_length, k, n, total // n)
+        worst = max(work) * n / max(1, sum(work))
+        if best is None or worst < best[0] - 1e-12:
+            best = (worst, pieces)
+        if worst <= 1 + TOLERANCE:
+            break
+    return tuple(_merged(sorted(p)) for p in best[1])
+
+
+def _place(by_length, cut: int, n: int, per_rank: int):
+    """(pieces per rank, causal work per rank) when the `cut` longest documents are cut zigzag-style
+    and the rest placed whole (module docstring)."""
+    tokens, work = [0] * n, [0] * n
+    pieces: list[list[Run]] = [[] for _ in range(n)]
+
+    def put(rank: int, start: int, a: int, b: int) -> None:  # offsets [a, b) of the document at `start`
+        pieces[rank].append((start + a, start + b))
+        tokens[rank] += b - a
+        work[rank] += _causal_pairs(a, b)
+
+    for length, _, start in by_length[:cut]:
+        base, extra = divmod(length, 2 * n)
+        sizes = [base] * (2 * n)
+        # Odd tokens to the ranks holding the fewest so far (low chunk first, then high): token
+        # counts then never differ by more than one, so the cut documents alone never overfill a rank.
+        fewest = sorted(range(n), key=lambda r: (tokens[r], r))
+        for j in range(extra):
+            r = fewest[j % n]
+            sizes[r if j < n else 2 * n - 1 - r] += 1
+        offset = 0
+        for chunk, size in enumerate(sizes):
+            if size:
+                put(min(chunk, 2 * n - 1 - chunk), start, offset, offset + size)
+            offset += size
+    leftover = []
+    for length, _, start in by_length[cut:]:
+        room = [r for r in range(n) if per_rank - tokens[r] >= length]
+        if room:
+            put(min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)), start, 0, length)
+        else:
+            leftover.append((start, length))
+    # What fits nowhere whole fills the remaining room in rank order, in document order.
+    rank = 0
+    for start, length in sorted(leftover):
+        offset = 0
+        while offset < length:
+            while per_rank - tokens[rank] == 0:
+                rank += 1
+            take = min(length - offset, per_rank - tokens[rank])
+            put(rank, start, offset, offset + take)
+            offset += take
+    return pieces, work
+
+
+def _merged(runs: list[Run]) -> tuple[Run, ...]:
+    out: list[Run] = []
+    for a, b in runs:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk=None) -> tuple[int, ...]:
+    """Each rank's causal pairs under the document mask in `balanced_placement`."""
+    bounds, pos = [], 0
+    for length in doc_lens:
+        bounds.append((pos, pos + length))
+        pos += length
+    work = []
+    for runs in balanced_placement(doc_lens, world_size, min_chunk):
+        w = 0
+        for a, b in runs:
+            for ds, de in bounds:  # (merged runs may cross document boundaries)
+                lo, hi = max(a, ds), min(b, de)
+                if lo < hi:
+                    w += _causal_pairs(lo - ds, hi - ds)
+        work.append(w)
+    return tuple(work)

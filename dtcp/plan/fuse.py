@@ -1,0 +1,193 @@
+"""One launch per step: a ring step's tasks as few varlen kernel calls.
+
+A step of a document, striped or balanced plan holds many small tasks (one per query run,
+document and key run). Kernels with a one-launch varlen form (FlashAttention-4, flash) take
+them together: each task is one *sequence* of the call (its query rows, its keys), and a call
+has one bottom-right aligned window for all its sequences. So:
+
+1. Tasks on the same query rows whose keys are adjacent merge when their union is one band: a
+   fully visible run of earlier keys followed by a causal block is one bottom-right causal
+   sequence (query i sees every earlier key and the diagonal). Under a causal document mask
+   every query run then has one sequence per step: bottom-right causal at the local step, full
+   at the others.
+2. Sequences group by their aligned window; each group is one launch, split further only where
+   two sequences would share query rows (a launch's rows are disjoint, so its output lands on
+   the accumulators without a merge of its own).
+
+Pure Python over the plan's integers; executors (dtcp/exec/ring.py) gather the rows and keys.
+`fused_launches` decides whether a plan runs so (exec/fused.py runs it; exec/route.py counts its
+launches for the cost model, dtcp/plan/cost.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import bisect
+
+from .mask import Band, Task, coalesce_full
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One varlen call: sequence i is rows `q_ranges[i]` of the rank's queries against keys
+    `k_ranges[i]` of the held block (indices as in Task), all under one bottom-right window
+    (left, right), -1 = unbounded. Query ranges are disjoint and sorted."""
+
+    window: tuple[int, int]
+    q_ranges: tuple[tuple[int, int], ...]
+    k_ranges: tuple[tuple[int, int], ...]
+
+    @cached_property
+    def cu_q(self) -> tuple[int, ...]:
+        return _cumulative(self.q_ranges)
+
+    @cached_property
+    def cu_k(self) -> tuple[int, ...]:
+        return _cumulative(self.k_ranges)
+
+    @property
+    def seq_lens(self) -> list[tuple[int, int]]:
+        return [(qb - qa, kb - ka) for (qa, qb), (ka, kb) in zip(self.q_ranges, self.k_ranges)]
+
+    @cached_property
+    def q_span(self):
+        """(start, end) when the query ranges tile [start, end) in order (a view, no gather), else None."""
+        return _tiling(self.q_ranges)
+
+    @cached_property
+    def k_span(self):
+        """(start, end) when the key ranges tile [start, end) in order, else None."""
+        return _tiling(self.k_ranges)
+
+    @cached_property
+    def keys_disjoint(self) -> bool:
+        ranges = sorted(self.k_ranges)
+        return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs the launch computes (its tasks' visible pairs)."""
+        return sum(_band_pairs(ql, kl, Band.from_aligned_window(ql, kl, self.window)) for ql, kl in self.seq_lens)
+
+
+def _cumulative(ranges) -> tuple[int, ...]:
+    out = [0]
+    for a, b in ranges:
+        out.append(out[-1] + b - a)
+    return tuple(out)
+
+
+def _tiling(ranges):
+    if all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])):
+        return (ranges[0][0], ranges[-1][1])
+    return None
+
+
+def _band_pairs(q_len: int, k_len: int, band: Band) -> int:
+    total = 0
+    for i in range(q_len):
+        lo = 0 if band.lo is None else max(0, i + band.lo)
+        hi = k_len - 1 if band.hi is None else min(k_len - 1, i + band.hi)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def merge_adjacent(a: Task, b: Task):
+    """The one task equal to a and b together (same rows, b's keys right after a's), or None.
+
+    Row i sees a's keys [i + a.lo, a.k_len) (a has no right bound) and b's keys [0, i + b.hi]
+    (b has no left bound). Their union is the band (a.lo, a.k_len + b.hi) on the joined keys
+    when no row sees b without all of a's tail and no row sees a's tail without b's head: b.hi
+    >= -1 (row 0 sees b from its first key or not at all, then the band ends at a's last key)
+    and a.lo <= a.k_len - q_len + 1 (the last row still reaches a's last key)."""
+    if (a.q_start, a.q_end) != (b.q_start, b.q_end) or a.k_end != b.k_start:
+        return None
+    if a.hi is not None or b.lo is not None:
+        return None
+    if b.hi is not None and b.hi < -1:
+        return None
+    if a.lo is not None and a.lo > a.k_len - a.q_len + 1:
+        return None
+    hi = None if b.hi is None else b.hi + a.k_len
+    band = Band(a.lo, hi).normalized(a.q_len, a.k_len + b.k_len)
+    return Task(a.q_start, a.q_end, a.k_start, b.k_end, band.lo, band.hi)
+
+
+def _split_full_rows(tasks) -> list[Task]:
+    """Full tasks cut at the other tasks' row boundaries (the planner may have joined the rows of
+    two query runs under one full task; cut, each piece can join its run's diagonal)."""
+    cuts = sorted({x for t in tasks for x in (t.q_start, t.q_end)})
+    out = []
+    for t in tasks:
+        if not t.is_full:
+            out.append(t)
+            continue
+        inner = cuts[bisect.bisect_right(cuts, t.q_start):bisect.bisect_left(cuts, t.q_end)]
+        edges = [t.q_start] + inner + [t.q_end]
+        out += [Task(a, b, t.k_start, t.k_end) for a, b in zip(edges, edges[1:])]
+    return out
+
+
+def merge_rows(tasks) -> list[Task]:
+    """Merge each query range's tasks whose keys are adjacent and whose union is one band; full
+    tasks left over join again where they tile a larger rectangle."""
+    by_rows: dict = {}
+    for t in _split_full_rows(tasks):
+        by_rows.setdefault((t.q_start, t.q_end), []).append(t)
+    out = []
+    for group in by_rows.values():
+        group = sorted(group, key=lambda t: t.k_start)
+        merged = [group[0]]
+        for t in group[1:]:
+            joined = merge_adjacent(merged[-1], t)
+            if joined is None:
+                merged.append(t)
+            else:
+                merged[-1] = joined
+        out += merged
+    return coalesce_full(out)
+
+
+def step_launches(tasks) -> tuple[Launch, ...]:
+    """A step's tasks as launches (module docstring): merged rows, one launch per aligned window,
+    split where rows would repeat. Every launch's windows are valid flash-attn windows."""
+    groups: dict = {}
+    for t in merge_rows(tasks):
+        window = t.band.aligned_window(t.q_len, t.k_len)
+        if min(window) < -1:  # (a trimmed task always has one; see plan/mask.py band_tasks)
+            raise AssertionError(f"dtcp bug: task {t} has no bottom-right window")
+        layers = groups.setdefault(window, [])
+        for layer in layers:  # the first launch of this window whose rows it does not touch
+            if all(t.q_end <= a or b <= t.q_start for a, b, _, _ in layer):
+                layer.append((t.q_start, t.q_end, t.k_start, t.k_end))
+                break
+        else:
+            layers.append([(t.q_start, t.q_end, t.k_start, t.k_end)])
+    launches = []
+    for window, layers in groups.items():
+        for layer in layers:
+            layer.sort()
+            launches.append(Launch(window, tuple((a, b) for a, b, _, _ in layer), tuple((c, d) for _, _, c, d in layer)))
+    return tuple(launches)
+
+
+@lru_cache(maxsize=512)
+def plan_launches(plan) -> tuple[tuple[Launch, ...], ...]:
+    """Each step's launches (step_launches) of a RingPlan, keys counted as its tasks count them."""
+    return tuple(step_launches(step.tasks) for step in plan.steps)
+
+
+def fused_launches(plan, refuse=None):
+    """plan_launches(plan) where running them is worth it, else None (the plan runs task by
+    task): None where fusing saves no launch, or where `refuse(seq_lens, window)` (a kernel's
+    reject_varlen_reason) gives a reason for one of the launches."""
+    steps = plan_launches(plan)
+    if sum(map(len, steps)) >= len(plan.tasks):
+        return None
+    if refuse is not None and any(refuse(launch.seq_lens, launch.window) is not None
+                                  for launches in steps for launch in launches):
+        return None
+    return steps
+

@@ -1,0 +1,173 @@
+"""Balanced: packed documents with equal tokens and equal causal work per rank.
+
+Pure index math (every token on exactly one rank, S/N tokens each, work within the tolerance,
+equal documents placed whole) and exactness in float64 against single-process attention with
+the document mask, through every strategy, windows included, and under torch.compile with a
+new document structure every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from dtcp.layouts.balanced import MIN_CHUNK, TOLERANCE, balanced_placement
+from reference import exact_err, reference_attention, window_doc_mask
+
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+def pareto_docs(total: int, seed: int, alpha: float = 1.1, floor: int = 8) -> tuple[int, ...]:
+    """A long-tailed mix: Pareto lengths with a floor, the last cut to fill `total`."""
+    rng = random.Random(seed)
+    docs = []
+    while sum(docs) < total:
+        docs.append(int(floor / rng.random() ** (1 / alpha)))
+    docs[-1] -= sum(docs) - total
+    return tuple(d for d in docs if d > 0)
+
+
+def causal_work(runs, docs):
+    bounds, pos = [], 0
+    for n in docs:
+        bounds.append((pos, pos + n))
+        pos += n
+    w = 0
+    for a, b in runs:
+        for ds, de in bounds:
+            lo, hi = max(a, ds), min(b, de)
+            w += sum(p - ds + 1 for p in range(lo, hi))
+    return w
+
+
+# ---- pure index math ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_every_token_once_equal_tokens_balanced_work(world_size, seed):
+    docs = pareto_docs(1024 * world_size, seed, floor=16)
+    placement = balanced_placement(docs, world_size, min_chunk=1)
+    seen = sorted(g for runs in placement for a, b in runs for g in range(a, b))
+    assert seen == list(range(sum(docs)))
+    for runs in placement:
+        assert sum(b - a for a, b in runs) == sum(docs) // world_size
+        assert all(x[1] < y[0] for x, y in zip(runs, runs[1:]))  # increasing global order, merged
+    work = [causal_work(runs, docs) for runs in placement]
+    assert max(work) * world_size / sum(work) <= 1 + TOLERANCE, work
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_no_chunk_below_the_minimum(world_size):
+    """With the default minimum, short documents are never cut into 2N pieces: a document lies on
+    one rank or, filling the room left, on consecutive ranks."""
+    docs = pareto_docs(1024 * world_size, 0, floor=16)
+    assert max(docs) < 2 * world_size * MIN_CHUNK
+    placement = balanced_placement(docs, world_size)
+    holders = {}
+    for r, runs in enumerate(placement):
+        for a, b in runs:
+            for i, (ds, de) in enumerate(_segments(docs)):
+                if max(a, ds) < min(b, de):
+                    holders.setdefault(i, set()).add(r)
+    for ranks in holders.values():
+        assert max(ranks) - min(ranks) + 1 == len(ranks)  # consecutive ranks only
+    assert sum(len(r) - 1 for r in holders.values()) <= world_size - 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_equal_documents_stay_whole(world_size):
+    docs = (64,) * 16
+    placement = balanced_placement(docs, world_size)
+    for runs in placement:  # every document on one rank: no key leaves its rank
+        for a, b in runs:
+            assert a % 64 == 0 and b % 64 == 0
+    plan = dtcp.plan.ring_plans(dtcp.Balanced(docs), sum(docs) // world_size, world_size, True,
+                                dtcp.plan.AttnMask.make(True, (-1, -1), _segments(docs)))[0]
+    assert plan.num_rounds == 0
+
+
+def _segments(docs):
+    out, pos = [], 0
+    for n in docs:
+        out.append((pos, pos + n))
+        pos += n
+    return tuple(out)
+
+
+def test_spec_round_trip_and_errors():
+    layout = dtcp.Balanced((5, 0, 11))
+    assert dtcp.layout_from_spec(layout.spec()) == layout
+    assert dtcp.Balanced.from_cu_seqlens(torch.tensor([0, 5, 5, 16])) == layout
+    with pytest.raises(ValueError, match="multiple of 3"):
+        layout.check(16, 3)
+    with pytest.raises(ValueError, match="from_cu_seqlens"):
+        layout.check(18, 2)
+    with pytest.raises(TypeError, match="tuple of non-negative ints"):
+        dtcp.Balanced([4, 4])
+
+
+# ---- exactness on ranks ------------------------------------------------------------------------------
+
+def balanced_errors(docs, strategy, window=(-1, -1), heads=(4, 2), d=8, backend="auto"):
+    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too: the cut path runs
+    n = dist.get_world_size()
+    layout = dtcp.Balanced(tuple(docs))
+    s = sum(docs)
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, h, s, d, generator=g, dtype=torch.float64) for h in (heads[0], heads[1], heads[1], heads[0]))
+    mask = window_doc_mask(s, is_causal=True, window=window, cu_seqlens=layout.cu_seqlens.tolist())
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = reference_attention(*ref, mask=mask)
+    out_ref.backward(dout)
+    local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window, return_lse=True,
+                                   enable_gqa=True, strategy=strategy, backend=backend)
+    out.backward(layout.shard(dout, dim=2))
+    got = (out, lse, *(t.grad for t in local))
+    want = (out_ref, lse_ref, *(t.grad for t in ref))
+    return {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
+
+
+CASES = [  # (world size, documents)
+    (2, (37, 5, 9, 1, 12)),
+    (3, (20, 1, 1, 14)),
+    (4, (40, 3, 3, 2, 9, 7)),
+    (4, (16,) * 4),
+    (8, pareto_docs(96, 1, floor=2)),
+]
+
+
+@pytest.mark.parametrize("world_size,docs", CASES, ids=str)
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "auto"])
+def test_balanced_exact(world_size, docs, strategy):
+    # Ulysses needs Hq a multiple of N and Hkv a multiple or divisor of N
+    heads = (2 * world_size, world_size) if strategy == "ulysses" else (4, 2)
+    for r in run_ranks(world_size, balanced_errors, docs, strategy, heads=heads):
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, r)
+
+
+@pytest.mark.parametrize("window", [(3, 0), (10, 0)], ids=str)
+def test_balanced_windows_exact(window):
+    for r in run_ranks(4, balanced_errors, (40, 3, 3, 2, 9, 7), "ring", window):
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, r)
+
+
+def allgather_refusal():
+    layout = dtcp.Balanced((37, 5, 9, 1, 12))
+    q = torch.randn(1, 2, 32, 8, dtype=torch.float64)
+    try:
+        dtcp.ring_attention(q, q, q, layout=layout, is_causal=True, strategy="allgather")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_allgather_refuses_unequal_runs_with_the_fix():
+    for message in run_ranks(2, allgather_refusal):
+        assert "strategy='allgather'" in message and "Use strategy='ring'" in message, message

@@ -1,0 +1,184 @@
+"""One launch per ring step: a step's tasks as varlen calls (dtcp/plan/fuse.py, dtcp/exec/fused.py).
+
+Pure Python: the launches of every step compute exactly the (query, key) pairs of its tasks,
+each pair once, with rows disjoint inside a launch, and causal document steps take at most two
+launches. On ranks: with a kernel that takes a step in one varlen call (the math kernel's varlen
+loop stands in on CPU for FA4 and flash, which take it in one launch), out, lse, dq, dk and dv
+are exact in float64 for documents, windows, striped and balanced layouts on 2-8 ranks, and the
+calls per step are counted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from dtcp.plan import AttnMask, Band, ring_plans
+from dtcp.plan.fuse import merge_rows, step_launches
+from reference import exact_err, reference_attention, window_doc_mask
+
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _pairs_of_tasks(tasks):
+    return sorted((t.q_start + i, t.k_start + j) for t in tasks for i in range(t.q_len) for j in range(t.k_len)
+                  if t.visible(i, j))
+
+
+def _pairs_of_launches(launches):
+    pairs = []
+    for launch in launches:
+        for (qa, qb), (ka, kb) in zip(launch.q_ranges, launch.k_ranges):
+            band = Band.from_aligned_window(qb - qa, kb - ka, launch.window)
+            pairs += [(qa + i, ka + j) for i in range(qb - qa) for j in range(kb - ka)
+                      if (band.lo is None or j - i >= band.lo) and (band.hi is None or j - i <= band.hi)]
+    return sorted(pairs)
+
+
+def _segments(docs):
+    out, pos = [], 0
+    for n in docs:
+        out.append((pos, pos + n))
+        pos += n
+    return tuple(out)
+
+
+PLANS = [  # (layout, documents or None, window, world size)
+    (dtcp.Zigzag(), (7, 20, 5), (-1, -1), 2),
+    (dtcp.Zigzag(), None, (-1, -1), 4),
+    (dtcp.Striped(1), (9, 3, 12, 8), (-1, -1), 4),
+    (dtcp.Striped(2), None, (5, 0), 2),
+    (dtcp.Contiguous(), (30, 2, 16), (6, 0), 3),
+    (dtcp.Balanced((40, 3, 3, 2, 9, 7)), (40, 3, 3, 2, 9, 7), (-1, -1), 4),
+    (dtcp.Balanced((5, 1, 30, 12)), (5, 1, 30, 12), (4, 0), 3),
+    (dtcp.DocZigzag((5, 3, 9)), None, (-1, -1), 2),
+]
+
+
+@pytest.mark.parametrize("layout,docs,window,n", PLANS, ids=str)
+def test_launches_compute_each_pair_of_the_tasks_once(layout, docs, window, n):
+    if isinstance(layout, dtcp.DocZigzag):
+        seq_len, segments = layout.padded_len(n), layout.segments(n)
+    else:
+        seq_len, segments = sum(docs) if docs else 48, (_segments(docs) if docs else None)
+    mask = AttnMask.make(True, window, segments)
+    for plan in ring_plans(layout, seq_len // n, n, True, mask):
+        for step in plan.steps:
+            launches = step_launches(step.tasks)
+            assert _pairs_of_launches(launches) == _pairs_of_tasks(step.tasks), (plan.rank, step)
+            for launch in launches:
+                rows = sorted(launch.q_ranges)
+                assert all(a[1] <= b[0] for a, b in zip(rows, rows[1:]))  # disjoint rows inside a launch
+                assert min(launch.window) >= -1
+            if window == (-1, -1) and segments is not None and not isinstance(layout, dtcp.Striped):
+                assert len(launches) <= 2, (plan.rank, [l.window for l in launches])
+
+
+def test_a_full_block_and_the_diagonal_merge_into_one_bottom_right_causal_sequence():
+    from dtcp.plan import Task
+    full, diag = Task(4, 8, 0, 4), Task(4, 8, 4, 8, None, 0)
+    (merged,) = merge_rows([full, diag])
+    assert (merged.q_start, merged.q_end, merged.k_start, merged.k_end) == (4, 8, 0, 8)
+    assert merged.is_bottom_right_causal
+    # a left window edge that leaves the last row without a's last key would open a gap: no merge
+    assert len(merge_rows([Task(4, 8, 0, 4, 2, None), Task(4, 8, 4, 8, None, 0)])) == 2
+    # one that still reaches it merges (row 3 sees keys 4..7 of the joined block, row 0 keys 1..4)
+    (joined,) = merge_rows([Task(4, 8, 0, 4, 1, None), Task(4, 8, 4, 8, None, 0)])
+    assert (joined.lo, joined.hi) == (1, 4)
+
+
+def test_random_tasks_of_random_plans_fuse_exactly():
+    rng = random.Random(3)
+    for _ in range(40):
+        n = rng.choice([2, 3, 4])
+        docs = tuple(rng.randint(1, 20) for _ in range(rng.randint(1, 6)))
+        total = sum(docs) + (-sum(docs)) % (2 * n)
+        docs = docs[:-1] + (docs[-1] + total - sum(docs),)
+        layout = rng.choice([dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1), dtcp.Balanced(docs)])
+        window = rng.choice([(-1, -1), (rng.randint(0, 12), 0), (rng.randint(0, 6), rng.randint(0, 6))])
+        causal = window[1] <= 0 and rng.random() < 0.7
+        mask = AttnMask.make(causal, window, _segments(docs))
+        for plan in ring_plans(layout, total // n, n, causal, mask):
+            for step in plan.steps:
+                assert _pairs_of_launches(step_launches(step.tasks)) == _pairs_of_tasks(step.tasks)
+
+
+# ---- on ranks ----------------------------------------------------------------------------------------
+
+def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1):
+    from dtcp.kernels.math import MathKernel
+    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too
+    n = dist.get_world_size()
+    MathKernel.varlen_one_launch = True  # (this rank process only) the varlen loop stands in for one launch
+    calls = {"launches": 0, "tasks": 0}
+    varlen_fwd, fwd = MathKernel.varlen_forward, MathKernel.forward
+
+    def counting_varlen(self, *a, **k):
+        calls["launches"] += 1
+        return varlen_fwd(self, *a, **k)
+
+    MathKernel.varlen_forward = counting_varlen
+    try:
+        layout = dtcp.layout_from_spec(layout_spec)
+        s = sum(docs)
+        g = torch.Generator().manual_seed(11)
+        q, k, v, dout = (torch.randn(batch, h, s, d, generator=g, dtype=torch.float64)
+                         for h in (heads[0], heads[1], heads[1], heads[0]))
+        cu = torch.tensor(_cumulative(docs), dtype=torch.int32)
+        mask = window_doc_mask(s, is_causal=True, window=window, cu_seqlens=cu.tolist())
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_ref, lse_ref = reference_attention(*ref, mask=mask)
+        out_ref.backward(dout)
+        local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+        kwargs = {} if isinstance(layout, dtcp.Balanced) else {"cu_seqlens": cu}
+        out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window, return_lse=True,
+                                       enable_gqa=True, strategy="ring", backend="math", **kwargs)
+        out.backward(layout.shard(dout, dim=2))
+        from dtcp.exec.route import _routes_of
+        from dtcp.comm import state_of
+        route = next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
+        steps = route.plan.num_rounds + 1
+        got = (out, lse, *(t.grad for t in local))
+        want = (out_ref, lse_ref, *(t.grad for t in ref))
+        errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
+        from dtcp.exec.fused import fused_steps
+        fused = fused_steps(route.plan, route.kernel, q.device) is not None
+        return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks), "fused": fused}
+    finally:
+        MathKernel.varlen_forward, MathKernel.varlen_one_launch = varlen_fwd, False
+        dtcp.exec.route.clear_routes()
+
+
+def _cumulative(docs):
+    out = [0]
+    for n in docs:
+        out.append(out[-1] + n)
+    return out
+
+
+RANK_CASES = [  # (world size, layout spec, documents, window)
+    (2, "zigzag", (7, 20, 5), (-1, -1)),
+    (4, "zigzag", (9, 3, 12, 8), (-1, -1)),
+    (4, "balanced:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), (-1, -1)),
+    (3, "balanced:5,1,30,12", (5, 1, 30, 12), (4, 0)),
+    (2, "striped:2", (10, 6, 16), (-1, -1)),
+    (3, "contiguous", (20, 2, 14), (5, 0)),
+    (8, "balanced:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("n,spec,docs,window", RANK_CASES, ids=str)
+def test_one_launch_per_step_exact(n, spec, docs, window):
+    results = run_ranks(n, one_launch_errors, spec, docs, window)
+    for r in results:
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, r)
+        if window == (-1, -1) and not spec.startswith("striped"):
+            assert r["launches"] <= 2 * r["steps"], r  # at most two launches per step, forward
+        # where fusing saves a launch the step launches ran (fewer than the tasks), else the tasks did
+        assert (0 < r["launches"] < r["tasks"]) if r["fused"] else r["launches"] == 0, r
+    assert any(r["fused"] for r in results)
