@@ -304,3 +304,13 @@ def sdpa_functions() -> frozenset:
 
 def optional_int(value) -> Optional[int]:
     return None if value is None else int(value)
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+def mark_length_dynamic(t: torch.Tensor) -> torch.Tensor:
+    """torch._dynamo.maybe_mark_dynamic(t, 0): a hint (never an error) that dim 0's size changes
+    between calls, so torch.compile traces it symbolic from the first call instead of recompiling
+    when it first changes. For tensors whose length is data (document boundaries). Checked on
+    2.11, 2.13, 2.15."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t

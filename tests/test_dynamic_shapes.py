@@ -146,3 +146,63 @@ def doc_zigzag_compiled(compile_backend):
 
 def test_doc_zigzag_new_documents_every_batch_compiled():
     check(run_ranks(2, doc_zigzag_compiled, "aot_eager", timeout=300), 1e-12)
+
+
+# ---- Balanced: a new document mix every batch, placed anew -----------------------------------------
+
+# Packed batches of one length (as packing to a fixed context gives) and then of another; each
+# step a new long-tailed mix with another number of documents, so every step cuts and places
+# differently (which documents are cut, which are whole, on which rank).
+BALANCED_STEPS = [(40, (25, 3, 4, 8)), (40, (2, 30, 1, 1, 6)), (40, (12, 12, 9, 7)), (40, (37, 3)),
+                  (48, (5, 33, 4, 1, 1, 4)), (48, (20, 20, 8)), (40, (1, 1, 1, 29, 8))]
+
+
+def balanced_compiled(compile_backend):
+    """A layer calling ring_attention(layout=dtcp.Balanced(docs)), compiled once, a new Balanced
+    placement every step: equal to eager (out and every gradient), no graph break, and no
+    recompile after the first change of the number of documents."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too
+    torch._dynamo.reset()
+    counters.clear()
+    n = dist.get_world_size()
+
+    def layer(x, wq, wkv, layout):  # x: (1, S/N, DIM) this rank's tokens, in the layout's order
+        b, s, _ = x.shape
+        q = (x @ wq).view(b, s, 4, 4).transpose(1, 2)
+        k, v = (x @ wkv).view(b, s, 2, 2, 4).permute(2, 0, 3, 1, 4)
+        return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, strategy="ring")
+
+    counter = CompileCounterWithBackend(compile_backend)
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    wq, wkv = torch.randn(DIM, DIM, generator=g, dtype=torch.float64), torch.randn(DIM, 16, generator=g,
+                                                                                   dtype=torch.float64)
+    errs, frames, cut = [], [], set()
+    for step, (s, docs) in enumerate(BALANCED_STEPS):
+        layout = dtcp.Balanced(docs)
+        cut.add(dtcp.layouts.balanced.balanced_placement(docs, n))
+        x = layout.shard(torch.randn(1, s, DIM, generator=g, dtype=torch.float64), dim=1)
+        pe = [t.clone().requires_grad_() for t in (x, wq, wkv)]
+        pc = [t.clone().requires_grad_() for t in (x, wq, wkv)]
+        ye, yc = layer(*pe, layout), compiled(*pc, layout)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        errs += [rel_err(yc, ye)] + [rel_err(c.grad, e.grad) for c, e in zip(pc, pe)]
+        frames.append(counter.frame_count)
+    return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values()),
+            "placements": len(cut)}
+
+
+def test_balanced_new_documents_every_batch_compiled():
+    results = run_ranks(2, balanced_compiled, "aot_eager", timeout=300)
+    first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
+    for r in results:
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["placements"] == len(BALANCED_STEPS), r  # every step placed anew
+        # a new document mix (and number of documents) is no recompile; a new packed length is
+        # dynamo's one automatic-dynamic recompile, then none
+        assert r["frames"][:first_new_length] == [1] * first_new_length, r
+        assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r

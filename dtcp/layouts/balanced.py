@@ -37,6 +37,7 @@ from functools import lru_cache
 
 import torch
 
+from .._compat import mark_length_dynamic
 from .base import Layout, check_boundaries
 
 #: the most loaded rank's causal work may exceed the mean by this fraction before more documents are cut
@@ -72,7 +73,9 @@ class Balanced(Layout):
         for n in self.doc_lens:
             bounds.append(bounds[-1] + n)
         # A private tensor (not a dataclass field: equality and hashing stay by value).
-        object.__setattr__(self, "cu_seqlens", torch.tensor(bounds, dtype=torch.int32))
+        # Its length (documents + 1) changes from batch to batch: marked so, torch.compile traces it
+        # symbolic from the first batch on (no recompile when the number of documents changes).
+        object.__setattr__(self, "cu_seqlens", mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32)))
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens) -> "Balanced":

@@ -16,6 +16,7 @@ import torch
 
 from .._groups import GroupLike
 from . import sharding
+from .._compat import mark_length_dynamic
 from .base import Layout, check_boundaries
 from .zigzag import zigzag_runs
 
@@ -48,7 +49,9 @@ class DocZigzag(Layout):
         for n in self.doc_lens:
             bounds.append(bounds[-1] + n)
         # A private tensor (not a dataclass field: equality and hashing stay by value).
-        object.__setattr__(self, "cu_seqlens", torch.tensor(bounds, dtype=torch.int32))
+        # Its length (documents + 1) changes from batch to batch: marked so, torch.compile traces it
+        # symbolic from the first batch on (no recompile when the number of documents changes).
+        object.__setattr__(self, "cu_seqlens", mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32)))
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens) -> "DocZigzag":

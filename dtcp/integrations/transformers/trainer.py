@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
+from .block import context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +290,6 @@ class ContextParallelMixin:
 
     @contextlib.contextmanager
     def _cp_block(self, model, inputs, num_items_in_batch):
-        from . import context_parallel
-
         base = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         pad_id = getattr(getattr(base, "config", None), "pad_token_id", None) or 0
         batch = pad_to_multiple(dict(inputs), self._cp_layout.multiple(self._cp_size), pad_id)
