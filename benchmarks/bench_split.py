@@ -98,6 +98,7 @@ from dtcp.exec import allgather as exec_allgather
 from dtcp.exec import route as R
 from dtcp.kernels import KERNELS, VarlenSeqs, default_scale, select_kernel
 from dtcp.layouts import Balanced, Contiguous, DocZigzag, Layout, Zigzag
+from dtcp.layouts.balanced import MIN_CHUNK
 from dtcp.plan import Task, allgather_reason, head_splits, plan_pairs
 
 ONE_D_STRATEGIES = ("ring", "allgather", "ulysses")  # what `auto` chooses among on a 1-D group
@@ -317,7 +318,8 @@ class Point:
     local_len: int
 
 
-def make_point(case: Case, layout_name: str, hq: int, hkv: int, d: int, n: int, backend: str) -> Point:
+def make_point(case: Case, layout_name: str, hq: int, hkv: int, d: int, n: int, backend: str,
+               min_chunk: int = MIN_CHUNK) -> Point:
     s = case.seq_len
     window = (case.window, 0) if case.window >= 0 else (-1, -1)
     cu_values = None
@@ -331,7 +333,8 @@ def make_point(case: Case, layout_name: str, hq: int, hkv: int, d: int, n: int, 
         spec, s = "doczigzag", layout.padded_len(n)
     elif layout_name == "balanced":
         docs = pad_last(docs, n)
-        layout, spec, s = Balanced(docs), "balanced", sum(docs)
+        layout = Balanced(docs, min_chunk=min_chunk)
+        spec, s = layout.op_spec(), sum(docs)
     else:
         raise ValueError(f"unknown layout {layout_name!r}")
     if docs is not None:
@@ -664,6 +667,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", nargs="*", default=None,
                    help="'gqa' (32/8), 'mha' (32/32) or Hq/Hkv; default: each case's own (gqa and mha, or gqa)")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--min-chunk", type=int, default=None,
+                   help="Balanced(min_chunk=) (default 512 x --seq-scale, at least 1)")
     p.add_argument("--seq-scale", default="1", help="every length times this (a fraction: 1/128 for a CPU smoke run)")
     p.add_argument("--rank-sample", type=int, default=None, help="time at most this many ranks per ring/all-gather "
                                                                  "point (0: all; default: the case's own)")
@@ -693,6 +698,8 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     scale = float(Fraction(args.seq_scale))
     cases = build_cases(scale)
+    # Balanced's shortest cut chunk, scaled with the lengths (so that a smoke run cuts what a full one does)
+    min_chunk = args.min_chunk or max(1, round(MIN_CHUNK * scale))
     names = args.cases or (QUICK["cases"] if args.quick else [c.name for c in cases])
     unknown = set(names) - {c.name for c in cases}
     if unknown:
@@ -748,7 +755,7 @@ def main(argv=None) -> dict:
                     continue
                 for layout_name in case.layouts:
                     try:
-                        point = make_point(case, layout_name, hq, hkv, args.head_dim, n, args.backend)
+                        point = make_point(case, layout_name, hq, hkv, args.head_dim, n, args.backend, min_chunk)
                     except Exception as e:  # noqa: BLE001
                         _error(results, case, hlabel, n, layout_name, "layout", e)
                         continue

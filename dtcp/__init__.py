@@ -11,7 +11,7 @@ from .config import config
 from .frontends.context import context_parallel, context_parallel_unshard, shard_buffers, unshard_buffers
 from .frontends.dtensor import distribute_tensor, from_local, full_tensor, layout_placements, redistribute
 from .frontends.window import attention_window
-from .layouts import Balanced, Contiguous, DocZigzag, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
+from .layouts import Auto, Balanced, Contiguous, DocZigzag, Layout, SlidingWindow, Striped, Zigzag, layout_from_spec
 
 __all__ = [
     "ring_attention",
@@ -24,6 +24,7 @@ __all__ = [
     "Striped",
     "SlidingWindow",
     "DocZigzag",
+    "Auto",
     "Balanced",
     "attention_window",
     "layout_from_spec",

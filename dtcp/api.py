@@ -26,7 +26,7 @@ from .exec.route import explain as _explain
 from .frontends.window import current_window
 from .kernels import default_scale
 from .layouts import (
-    Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
+    Auto, Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
 from .plan.cost import machine_for
@@ -72,6 +72,8 @@ def ring_attention(
         layout: how the sequence is split (dtcp.Contiguous(), dtcp.Zigzag(), dtcp.Striped(block),
             dtcp.DocZigzag(doc_lens), dtcp.Balanced(doc_lens): packed documents with equal tokens
             and equal causal work per rank; it carries its documents, which are then the mask).
+            "balanced" (``dtcp.Balanced()``, no documents) with `cu_seqlens`: the placement of
+            ``dtcp.Balanced.from_cu_seqlens(cu_seqlens)``, the boundaries passed as a tensor.
         is_causal: causal attention over global token positions.
         scale: softmax scale; default 1/sqrt(D).
         backend: "auto" (fastest kernel that serves the request), "math", "cpu_flash", "flash",
@@ -136,7 +138,19 @@ def ring_attention(
         left, right = resolve_window(window_size, layout, is_causal)
         _check_cu_seqlens(cu_seqlens)
         chunk = _check_chunk_size(chunk_size)
-        if isinstance(layout, DocZigzag):
+        if isinstance(layout, Auto):
+            raise ValueError("layout='auto' is chosen per batch by context_parallel and the integrations, which "
+                             "shard the batch; ring_attention takes the resolved layout: "
+                             "dtcp.Auto().resolve(cu_seqlens, seq_len), or layout='balanced' with cu_seqlens")
+        if isinstance(layout, Balanced) and not layout.carries_documents:
+            # the documents of `cu_seqlens` decide the placement, as Balanced.from_cu_seqlens would;
+            # the boundaries stay a tensor (no guard on their values under torch.compile)
+            if cu_seqlens is None:
+                raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "
+                                 "cu_seqlens (the packed sequence's boundaries, the same ones the inputs were sharded "
+                                 "with), or layout=dtcp.Balanced(doc_lens)")
+            layout_spec = layout.op_spec()
+        elif isinstance(layout, DocZigzag):
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: a DocZigzag layout carries its documents (and their padding); "
                                  "pass cu_seqlens=None")
@@ -153,7 +167,7 @@ def ring_attention(
             # recompile per batch); there the op checks the same values at run time instead.
             if not torch.compiler.is_compiling():
                 layout.check(q.shape[2] * n, n)
-            layout_spec, cu_seqlens = "balanced", layout.cu_seqlens
+            layout_spec, cu_seqlens = layout.op_spec(), layout.cu_seqlens
         else:
             layout.check(q.shape[2] * n, n)
             layout_spec = layout.spec()
@@ -268,7 +282,11 @@ def explain(
     n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
-    if isinstance(layout, (DocZigzag, Balanced)):
+    if isinstance(layout, Balanced) and not layout.carries_documents:
+        layout_spec, cu_values = layout.op_spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    elif isinstance(layout, Balanced):
+        layout_spec, cu_values = layout.op_spec(), tuple(layout.cu_seqlens.tolist())
+    elif isinstance(layout, DocZigzag):
         layout_spec, cu_values = layout.name, tuple(layout.cu_seqlens.tolist())
     else:
         layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())

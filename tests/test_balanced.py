@@ -107,9 +107,8 @@ def test_spec_round_trip_and_errors():
 # ---- exactness on ranks ------------------------------------------------------------------------------
 
 def balanced_errors(docs, strategy, window=(-1, -1), heads=(4, 2), d=8, backend="auto"):
-    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too: the cut path runs
     n = dist.get_world_size()
-    layout = dtcp.Balanced(tuple(docs))
+    layout = dtcp.Balanced(tuple(docs), min_chunk=1)  # tiny documents get cut too: the cut path runs
     s = sum(docs)
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, h, s, d, generator=g, dtype=torch.float64) for h in (heads[0], heads[1], heads[1], heads[0]))

@@ -164,7 +164,6 @@ def balanced_compiled(compile_backend):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too
     torch._dynamo.reset()
     counters.clear()
     n = dist.get_world_size()
@@ -182,8 +181,8 @@ def balanced_compiled(compile_backend):
                                                                                    dtype=torch.float64)
     errs, frames, cut = [], [], set()
     for step, (s, docs) in enumerate(BALANCED_STEPS):
-        layout = dtcp.Balanced(docs)
-        cut.add(dtcp.layouts.balanced.balanced_placement(docs, n))
+        layout = dtcp.Balanced(docs, min_chunk=1)  # (tiny documents get cut too)
+        cut.add(dtcp.layouts.balanced.balanced_placement(docs, n, min_chunk=1))
         x = layout.shard(torch.randn(1, s, DIM, generator=g, dtype=torch.float64), dim=1)
         pe = [t.clone().requires_grad_() for t in (x, wq, wkv)]
         pc = [t.clone().requires_grad_() for t in (x, wq, wkv)]

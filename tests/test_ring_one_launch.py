@@ -47,8 +47,8 @@ PLANS = [  # (layout, documents or None, window, world size)
     (dtcp.Striped(1), (9, 3, 12, 8), (-1, -1), 4),
     (dtcp.Striped(2), None, (5, 0), 2),
     (dtcp.Contiguous(), (30, 2, 16), (6, 0), 3),
-    (dtcp.Balanced((40, 3, 3, 2, 9, 7)), (40, 3, 3, 2, 9, 7), (-1, -1), 4),
-    (dtcp.Balanced((5, 1, 30, 12)), (5, 1, 30, 12), (4, 0), 3),
+    (dtcp.Balanced((40, 3, 3, 2, 9, 7), min_chunk=1), (40, 3, 3, 2, 9, 7), (-1, -1), 4),
+    (dtcp.Balanced((5, 1, 30, 12), min_chunk=1), (5, 1, 30, 12), (4, 0), 3),
     (dtcp.DocZigzag((5, 3, 9)), None, (-1, -1), 2),
 ]
 
@@ -92,7 +92,7 @@ def test_random_tasks_of_random_plans_fuse_exactly():
         docs = tuple(rng.randint(1, 20) for _ in range(rng.randint(1, 6)))
         total = sum(docs) + (-sum(docs)) % (2 * n)
         docs = docs[:-1] + (docs[-1] + total - sum(docs),)
-        layout = rng.choice([dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1), dtcp.Balanced(docs)])
+        layout = rng.choice([dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(1), dtcp.Balanced(docs, min_chunk=1)])
         window = rng.choice([(-1, -1), (rng.randint(0, 12), 0), (rng.randint(0, 6), rng.randint(0, 6))])
         causal = window[1] <= 0 and rng.random() < 0.7
         mask = AttnMask.make(causal, window, segments_of(docs))
@@ -105,7 +105,6 @@ def test_random_tasks_of_random_plans_fuse_exactly():
 
 def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1):
     from dtcp.kernels.math import MathKernel
-    dtcp.layouts.balanced.MIN_CHUNK = 1  # (this rank process) tiny documents get cut too
     dtcp.exec.route.clear_routes()  # (pooled rank processes: the route read below must be this call's)
     n = dist.get_world_size()
     MathKernel.varlen_one_launch = True  # (this rank process only) the varlen loop stands in for one launch
@@ -158,11 +157,11 @@ def _cumulative(docs):
 RANK_CASES = [  # (world size, layout spec, documents, window)
     (2, "zigzag", (7, 20, 5), (-1, -1)),
     (4, "zigzag", (9, 3, 12, 8), (-1, -1)),
-    (4, "balanced:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), (-1, -1)),
-    (3, "balanced:5,1,30,12", (5, 1, 30, 12), (4, 0)),
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), (-1, -1)),
+    (3, "balanced@1:5,1,30,12", (5, 1, 30, 12), (4, 0)),
     (2, "striped:2", (10, 6, 16), (-1, -1)),
     (3, "contiguous", (20, 2, 14), (5, 0)),
-    (8, "balanced:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), (-1, -1)),
+    (8, "balanced@1:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), (-1, -1)),
 ]
 
 

@@ -14,16 +14,15 @@ from sim_ranks import simulated_ring
 
 CASES = [  # (world size, layout, documents, window)
     (2, dtcp.Zigzag(), None, (-1, -1)),
-    (4, dtcp.Balanced((40, 3, 3, 2, 9, 7)), (40, 3, 3, 2, 9, 7), (-1, -1)),
+    (4, dtcp.Balanced((40, 3, 3, 2, 9, 7), min_chunk=1), (40, 3, 3, 2, 9, 7), (-1, -1)),
     (3, dtcp.Contiguous(), (20, 2, 14), (5, 0)),
-    (8, dtcp.Balanced((33, 2, 1, 4, 9, 5, 2, 8)), (33, 2, 1, 4, 9, 5, 2, 8), (-1, -1)),
+    (8, dtcp.Balanced((33, 2, 1, 4, 9, 5, 2, 8), min_chunk=1), (33, 2, 1, 4, 9, 5, 2, 8), (-1, -1)),
 ]
 
 
 @pytest.mark.parametrize("n,layout,docs,window", CASES, ids=str)
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_simulated_ranks_are_exact(n, layout, docs, window, one_launch, monkeypatch):
-    monkeypatch.setattr(dtcp.layouts.balanced, "MIN_CHUNK", 1)  # tiny documents get cut too
     monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", one_launch)
     s = sum(docs) if docs else 8 * n
     g = torch.Generator().manual_seed(5)

@@ -297,12 +297,17 @@ def run_integration(name: str, kind: str, layout_spec: str, compiled: bool = Fal
         "stock_loss_rel": (abs(stock_shares - ref_stock) / ref_stock).item(),
         "grads_rel": grad_err,
         "sinks_grad": any(n.endswith("sinks") for n in ref_grads),
+        "layout": cp.layout.name,  # the layout the block sharded with ("auto" resolves per batch)
+        "kind": kind,
     }
 
 
-def check(results):
+def check(results, layout=None):
     for r in results:
         assert r["logits"] < 1e-10 and r["loss"] < 1e-10 and r["grads_rel"] < 1e-10, r
+        if layout is not None and layout.startswith("auto"):
+            # "auto": Balanced for the packed row of documents; Zigzag for rows with their own (B = 2)
+            assert r["layout"] == ("balanced" if r["kind"].startswith("packed") else "zigzag"), r
         # HF's own loss casts the logits to float32: the sum of the ranks' shares agrees to float32 rounding
         assert r["stock_loss_rel"] < 1e-6, r
 
@@ -311,28 +316,31 @@ def many(cases):
     return [dict(run_integration(*c), case=c) for c in cases]
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+# "auto@1": Balanced cuts even these tiny documents (min_chunk=1); "auto" (min_chunk 512) places
+# them whole, split at rank boundaries where they do not fit
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "auto@1"])
 def test_models_two_ranks(layout):
     cases = [(m, k, layout) for m in MODELS for k in ("plain", "packed", "padded")]
     cases += [("qwen2", "packed", layout, False, 32, True)]   # gradient checkpointing
     results = [r for rank in run_ranks(2, many, cases, timeout=300) for r in rank]
-    check(results)
+    check(results, layout)
     assert len(results) == 2 * len(cases)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "auto"])
 def test_models_four_ranks(layout):
     cases = [(m, k, layout) for m in ("llama", "mistral_small_window", "qwen2", "gemma2", "gemma3", "gpt_oss")
              for k in ("packed", "padded")] + [("gpt_oss", "packed_flash", layout)]
     results = [r for rank in run_ranks(4, many, cases, timeout=300) for r in rank]
-    check(results)
+    check(results, layout)
 
 
 def test_compiled_two_ranks():
     """torch.compile(fullgraph=True) of the whole HF model: mixed sliding/full layers with packing
     (global document boundaries through the model's kwargs), and softcap with padding. (gpt-oss's
     float64 experts loop is data-dependent, so its model does not compile with fullgraph=True.)"""
-    cases = [("qwen2", "packed", "zigzag", True), ("gemma2", "padded", "contiguous", True)]
+    cases = [("qwen2", "packed", "zigzag", True), ("gemma2", "padded", "contiguous", True),
+             ("qwen2", "packed", "auto@1", True)]
     results = [r for rank in run_ranks(2, many, cases, timeout=400) for r in rank]
     check(results)
 

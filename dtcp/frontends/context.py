@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _compat
 from .._groups import cp_size_and_rank
 from ..api import ring_attention
-from ..layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
+from ..layouts import DEFAULT_LAYOUT, Auto, Balanced, Layout, layout_from_spec
 from . import dtensor as _dt
 
 _SDPA_FUNCS = _compat.sdpa_functions()
@@ -142,6 +142,28 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
     tensors (original token order) of shards produced inside a `context_parallel` block with this
     `layout` (e.g. the model's output logits). No gradient, like PyTorch's."""
     return unshard_buffers(mesh, buffers, seq_dims, layout, mesh_dim=mesh_dim)
+
+
+def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int]) -> tuple[Layout, dict]:
+    """layout="auto": Balanced for the documents of ``cu_seqlens`` (shared by every row of
+    `seq_len` tokens), else Zigzag (dtcp/layouts/auto.py). A Balanced layout carries its
+    documents: ``cu_seqlens`` given beside it must be the same boundaries, and the calls then
+    take them from the layout."""
+    cu = ring_kwargs.get("cu_seqlens")
+    if isinstance(layout, Auto):
+        layout = layout.resolve(cu, seq_len)
+    if isinstance(layout, Balanced) and layout.doc_lens is None:  # "balanced": the placement of cu_seqlens
+        if cu is None:
+            raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "
+                             "cu_seqlens=..., or layout=dtcp.Balanced(doc_lens), or layout='auto'")
+        layout = Balanced.from_cu_seqlens(cu, min_chunk=layout.min_chunk)
+    if isinstance(layout, Balanced) and cu is not None:
+        values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+        if [int(c) for c in values] != layout.cu_seqlens.tolist():
+            raise ValueError(f"cu_seqlens {values} are not the documents of {layout!r}: a Balanced layout places its "
+                             "own documents; pass layout='auto' with these cu_seqlens, or the Balanced layout alone")
+        ring_kwargs = {k: v for k, v in ring_kwargs.items() if k != "cu_seqlens"}
+    return layout, ring_kwargs
 
 
 def _check_len(layout: Layout, seq_len: int, n: int, what: str) -> None:
@@ -281,7 +303,9 @@ def context_parallel(
         mesh_dim: name (or index) of the context-parallel dim when `mesh` is N-D, e.g. "cp"; or
             two names, (ring dim, Ulysses dim), for a 2-D CP mesh (strategy "hybrid", which
             "auto" takes there), e.g. ("cp_ring", "cp_ulysses").
-        layout: which tokens each rank holds (dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(b)).
+        layout: which tokens each rank holds (dtcp.Zigzag(), dtcp.Contiguous(), dtcp.Striped(b)),
+            or "auto": dtcp.Balanced for the documents of ``cu_seqlens`` (equal tokens and equal
+            causal work per rank on any document mix), else Zigzag; ``cp.layout`` says which.
         backend: local attention kernel, as in `dtcp.ring_attention`.
         **ring_kwargs: further options forwarded to every `dtcp.ring_attention` call unchanged.
 
@@ -297,6 +321,7 @@ def context_parallel(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string such as 'auto'; got {type(backend).__name__}")
     buffers, seq_dims = _check_buffers(buffers, buffer_seq_dims)
+    layout, ring_kwargs = _documents_layout(layout, ring_kwargs, buffers[0].shape[seq_dims[0]] if buffers else None)
     no_restore = list(no_restore_buffers or ())
     for b in no_restore:
         if not any(b is c for c in buffers):

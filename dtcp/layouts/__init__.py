@@ -10,6 +10,7 @@ Pure index math (one module per layout) plus `sharding`, which applies it to ten
 
 from __future__ import annotations
 
+from .auto import Auto
 from .balanced import Balanced
 from .base import Layout, check_window
 from .contiguous import Contiguous, SlidingWindow
@@ -18,7 +19,7 @@ from .grouped import Grouped
 from .striped import Striped
 from .zigzag import Zigzag
 
-__all__ = ["Layout", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "Balanced", "Grouped", "layout_from_spec",
+__all__ = ["Layout", "Auto", "Contiguous", "Zigzag", "Striped", "SlidingWindow", "DocZigzag", "Balanced", "Grouped", "layout_from_spec",
            "check_window", "DEFAULT_LAYOUT"]
 
 #: the layout of every function that takes one, unless told otherwise (balanced causal work)
@@ -38,12 +39,17 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
             return Contiguous()
         if name == "zigzag":
             return Zigzag()
+        if name.partition("@")[0] == "auto":  # "auto[@min_chunk]"
+            min_chunk = name.partition("@")[2]
+            return Auto(min_chunk=int(min_chunk)) if min_chunk else Auto()
         if name == "striped":
             return Striped(int(arg) if arg else 1)
         if name == "doczigzag" and arg:
             return DocZigzag(tuple(int(n) for n in arg.split(",") if n))
-        if name == "balanced" and arg:
-            return Balanced(tuple(int(n) for n in arg.split(",") if n))
+        if name.partition("@")[0] == "balanced":  # "balanced[@min_chunk][:len,len,...]"
+            min_chunk = name.partition("@")[2]
+            docs = tuple(int(n) for n in arg.split(",") if n) if arg else None
+            return Balanced(docs, min_chunk=int(min_chunk)) if min_chunk else Balanced(docs)
         if name == "grouped":
             inner, _, base = arg.partition(":")
             return Grouped(layout_from_spec(base), int(inner))
@@ -52,5 +58,5 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
             return SlidingWindow(int(left), int(right) if right else 0)
     except ValueError as e:
         raise ValueError(f"layout {spec!r}: {e}") from None
-    raise ValueError(f"unknown layout {spec!r}; use 'contiguous', 'zigzag', 'striped[:block]', 'window:left[:right]' "
-                     "'doczigzag:len,len,...' or 'balanced:len,len,...'")
+    raise ValueError(f"unknown layout {spec!r}; use 'auto', 'contiguous', 'zigzag', 'striped[:block]', 'window:left[:right]' "
+                     "'doczigzag:len,len,...' or 'balanced[@min_chunk][:len,len,...]'")

@@ -13,7 +13,7 @@ neither blindly. For the batch's document lengths it picks the fewest documents 
   rank boundaries (a piece then sees its earlier piece one rank back).
 
 k grows (0, 1, 2, 3, 4, 6, 8, ...) until the most loaded rank's work is within `TOLERANCE` of
-the mean; only documents whose chunks would hold at least `MIN_CHUNK` tokens are cut (smaller
+the mean; only documents whose chunks would hold at least `min_chunk` (default 512) tokens are cut (smaller
 pieces cost the kernels more than the imbalance they remove). Equal documents that divide evenly are placed whole (no communication at all);
 a long-tailed mix cuts its few long documents. Work is counted as a causal mask's (query, key)
 pairs: the placement depends on the documents and N only, never on the mask of one layer, so a
@@ -32,8 +32,10 @@ structure every batch is a new input, not a new graph under torch.compile.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -42,10 +44,10 @@ from .base import Layout, check_boundaries
 
 #: the most loaded rank's causal work may exceed the mean by this fraction before more documents are cut
 TOLERANCE = 0.02
-#: a document is cut only if its 2N chunks hold at least this many tokens each: smaller pieces run
-#: the kernels far below their rate (a 128-row tile mostly masked), which costs more than the
-#: imbalance it removes (measured on H100 with FA4: log-normal mixes cut into ~200-token chunks ran
-#: 4-16x the kernel time of the whole documents)
+#: the default `Balanced(min_chunk=)`: a document is cut only if its 2N chunks hold at least this
+#: many tokens each: smaller pieces run the kernels far below their rate (a 128-row tile mostly
+#: masked), which costs more than the imbalance it removes (measured on H100 with FA4: log-normal
+#: mixes cut into ~200-token chunks ran 4-16x the kernel time of the whole documents)
 MIN_CHUNK = 512
 
 Run = tuple[int, int]
@@ -57,12 +59,26 @@ class Balanced(Layout):
 
     `doc_lens`: the packed documents' lengths, in order (their sum is S, a multiple of N). See
     the module docstring for the placement; `dtcp.Balanced.from_cu_seqlens(cu_seqlens)` builds
-    it from a batch's boundaries."""
+    it from a batch's boundaries. None (`dtcp.Balanced()`, the spec "balanced"): the placement of
+    the documents each `ring_attention` call gets as `cu_seqlens` (a tensor, so that a new
+    document structure is not a new graph for code that keeps one layout object).
+    `min_chunk`: only documents whose 2N chunks hold at least this many tokens are cut. It is
+    part of the placement, so it travels with the layout into the op: sharding and attention
+    always agree on it."""
 
-    doc_lens: tuple[int, ...] = ()
+    doc_lens: Optional[tuple[int, ...]] = None
+    min_chunk: int = dataclasses.field(default=MIN_CHUNK, kw_only=True)
     name = "balanced"
 
     def __post_init__(self):
+        if not isinstance(self.min_chunk, int) or isinstance(self.min_chunk, bool) or self.min_chunk < 1:
+            raise ValueError(f"Balanced(min_chunk={self.min_chunk!r}): min_chunk must be an int >= 1")
+        # (a flag of its own: code that asks it under torch.compile guards on a bool, not on the
+        # documents, which change every batch)
+        object.__setattr__(self, "carries_documents", self.doc_lens is not None)
+        if self.doc_lens is None:
+            object.__setattr__(self, "cu_seqlens", None)
+            return
         if not isinstance(self.doc_lens, tuple) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.doc_lens
         ):
@@ -78,16 +94,24 @@ class Balanced(Layout):
         object.__setattr__(self, "cu_seqlens", mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32)))
 
     @staticmethod
-    def from_cu_seqlens(cu_seqlens) -> "Balanced":
+    def from_cu_seqlens(cu_seqlens, min_chunk: int = MIN_CHUNK) -> "Balanced":
         """From the packed sequence's document boundaries: a list or an int tensor (0 = c0 <= ... <= cn = S)."""
         cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
         check_boundaries(cu, "Balanced: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
-        return Balanced(tuple(b - a for a, b in zip(cu, cu[1:])))
+        return Balanced(tuple(b - a for a, b in zip(cu, cu[1:])), min_chunk=min_chunk)
+
+    def op_spec(self) -> str:
+        """The layout as the op receives it (its documents travel as cu_seqlens): "balanced", or
+        "balanced@<min_chunk>" for another minimum chunk."""
+        return self.name if self.min_chunk == MIN_CHUNK else f"{self.name}@{self.min_chunk}"
 
     def multiple(self, world_size: int) -> int:
         return world_size
 
     def check(self, seq_len: int, world_size: int) -> None:
+        if self.doc_lens is None:
+            super().check(seq_len, world_size)
+            return
         total = sum(self.doc_lens)
         if seq_len != total:
             raise ValueError(f"Balanced holds documents of {total} tokens in all; got a sequence of {seq_len}. "
@@ -97,16 +121,30 @@ class Balanced(Layout):
                              f"{world_size}; the documents hold {total} tokens. Pad the packed sequence with one "
                              f"more document of {-total % world_size} tokens (or more)")
 
+    def _documents(self) -> tuple[int, ...]:
+        if self.doc_lens is None:
+            raise ValueError("Balanced() without documents places each call's cu_seqlens; to shard a batch, build "
+                             "the layout from its boundaries: dtcp.Balanced.from_cu_seqlens(cu_seqlens)")
+        return self.doc_lens
+
     def runs(self, seq_len, world_size, rank):
         self.check(seq_len, world_size)
-        return list(balanced_placement(self.doc_lens, world_size)[rank])
+        return list(balanced_placement(self._documents(), world_size, self.min_chunk)[rank])
 
     def spec(self) -> str:
-        return "balanced:" + ",".join(str(n) for n in self.doc_lens)
+        return self.op_spec() if self.doc_lens is None else self.op_spec() + ":" + ",".join(map(str, self.doc_lens))
 
     def rank_work(self, world_size: int) -> tuple[int, ...]:
         """Each rank's causal (query, key) pairs under the document mask (what the placement balances)."""
-        return placement_work(self.doc_lens, world_size)
+        return placement_work(self._documents(), world_size, self.min_chunk)
+
+
+def min_chunk_of(op_spec: str) -> Optional[int]:
+    """The minimum chunk of a Balanced op spec ("balanced", "balanced@64"); None for other layouts."""
+    name, _, arg = op_spec.partition("@")
+    if name != Balanced.name:
+        return None
+    return int(arg) if arg else MIN_CHUNK
 
 
 def _causal_pairs(a: int, b: int) -> int:
@@ -123,11 +161,12 @@ def _cut_counts(num_docs: int) -> list[int]:
     return sorted({c for c in counts if c < num_docs} | {num_docs})
 
 
-def balanced_placement(doc_lens: tuple[int, ...], world_size: int, min_chunk=None) -> tuple[tuple[Run, ...], ...]:
+def balanced_placement(doc_lens: tuple[int, ...], world_size: int,
+                       min_chunk: int = MIN_CHUNK) -> tuple[tuple[Run, ...], ...]:
     """Every rank's runs (global [start, end), increasing) for these documents over `world_size`
-    ranks (see the module docstring); only documents of at least 2N x `min_chunk` tokens
-    (default MIN_CHUNK) are cut. Pure and deterministic: every rank computes the same."""
-    return _placement(doc_lens, world_size, MIN_CHUNK if min_chunk is None else min_chunk)
+    ranks (see the module docstring); only documents of at least 2N x `min_chunk` tokens are cut.
+    Pure and deterministic: every rank computes the same."""
+    return _placement(tuple(doc_lens), world_size, min_chunk)
 
 
 @lru_cache(maxsize=256)
@@ -211,7 +250,7 @@ def _merged(runs: list[Run]) -> tuple[Run, ...]:
     return tuple(out)
 
 
-def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk=None) -> tuple[int, ...]:
+def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk: int = MIN_CHUNK) -> tuple[int, ...]:
     """Each rank's causal pairs under the document mask in `balanced_placement`."""
     bounds, pos = [], 0
     for length in doc_lens:

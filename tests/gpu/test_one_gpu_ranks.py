@@ -61,9 +61,9 @@ def _err_on(a, b, idx):
 CASES = [  # (name, layout for n ranks, documents, window)
     ("causal zigzag", lambda n, docs: dtcp.Zigzag(), None, (-1, 0)),
     ("documents zigzag", lambda n, docs: dtcp.Zigzag(), long_tailed(S, 1), (-1, 0)),
-    ("documents balanced", lambda n, docs: dtcp.Balanced(docs), long_tailed(S, 1), (-1, 0)),
-    ("documents balanced 2", lambda n, docs: dtcp.Balanced(docs), long_tailed(S, 4), (-1, 0)),
-    ("equal documents balanced", lambda n, docs: dtcp.Balanced(docs), (512,) * 8, (-1, 0)),
+    ("documents balanced", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), long_tailed(S, 1), (-1, 0)),
+    ("documents balanced 2", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), long_tailed(S, 4), (-1, 0)),
+    ("equal documents balanced", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), (512,) * 8, (-1, 0)),
     ("window contiguous", lambda n, docs: dtcp.Contiguous(), None, (300, 0)),
     ("window documents contiguous", lambda n, docs: dtcp.Contiguous(), long_tailed(S, 2), (300, 0)),
 ]
@@ -73,7 +73,6 @@ CASES = [  # (name, layout for n ranks, documents, window)
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("name,make_layout,docs,window", CASES, ids=[c[0] for c in CASES])
 def test_ring_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window, monkeypatch):
-    monkeypatch.setattr(dtcp.layouts.balanced, "MIN_CHUNK", 64)  # S = 4096: let long documents be cut
     kernel = KERNELS[backend]
     g = torch.Generator(device="cuda").manual_seed(0)
     full = [torch.randn(1, h, S, D, device="cuda", generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]

@@ -25,6 +25,9 @@ class _Active:
 
     def __init__(self, group, layout: Layout, backend: str, strategy: str):
         self.group, self.layout, self.backend, self.strategy = group, layout, backend, strategy
+        # the block's layout as configured; `layout` is what the attention calls take (for "auto":
+        # set per batch by the block)
+        self.configured_layout = layout
         self.seen = False
         # set by the block for each batch (None when the block was given no batch)
         self.cu_seqlens: Optional[torch.Tensor] = None   # (K,) int32 global boundaries over B*S, or None

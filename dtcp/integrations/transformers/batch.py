@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ...comm.guard import digest
-from ...layouts import DocZigzag, Layout
+from ...layouts import Auto, Balanced, DocZigzag, Layout
 from ..._groups import cp_size_and_rank
 
 IGNORE_INDEX = -100
@@ -85,12 +85,15 @@ def _model_positions(model, batch: Mapping[str, Any]) -> Optional[torch.Tensor]:
     return None
 
 
-def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -> tuple[dict, Optional[str], dict]:
+def prepare_batch(batch: Mapping[str, Any], group, layout: Layout,
+                  model=None) -> tuple[dict, Optional[str], dict, Layout]:
     """The model's keyword arguments for this rank, from the full batch (see `context_parallel`).
     `model` (optional): the model, for position ids it makes its own way (`_model_positions`).
+    `layout` may be `Auto()`: resolved here from the batch's documents.
 
-    Returns (inputs, error, fields): `error` is a message (the same on every rank given the same
-    batch) or None; `fields` describe the batch for the ranks' agreement."""
+    Returns (inputs, error, fields, layout): `error` is a message (the same on every rank given the
+    same batch) or None; `fields` describe the batch for the ranks' agreement; `layout` is the one
+    the inputs were sharded with."""
     n, _ = cp_size_and_rank(group)
     batch = dict(batch)
     fields = {}
@@ -98,21 +101,23 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
     if ids is None:
         ids = batch.get("inputs_embeds")
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
-        return {}, "the batch needs input_ids (B, S) (or inputs_embeds (B, S, H)) as a tensor", fields
+        return {}, "the batch needs input_ids (B, S) (or inputs_embeds (B, S, H)) as a tensor", fields, layout
     bsz, seq = ids.shape[0], ids.shape[1]
     fields["shape"] = str(tuple(ids.shape))
     if "input_ids" in batch:
         fields["input_ids"] = digest(batch["input_ids"].detach().to("cpu").flatten().tolist())
     if batch.get("past_key_values") is not None:
-        return {}, "past_key_values: a KV cache cannot be sharded over the sequence; pass none (use_cache=False)", fields
+        return {}, "past_key_values: a KV cache cannot be sharded over the sequence; pass none (use_cache=False)", fields, layout
     if batch.get("use_cache"):
-        return {}, "use_cache=True: a KV cache cannot be sharded over the sequence; pass use_cache=False (or leave it out)", fields
+        return {}, "use_cache=True: a KV cache cannot be sharded over the sequence; pass use_cache=False (or leave it out)", fields, layout
     m = layout.multiple(n)
     if seq % m != 0:
         return {}, (f"sequence length {seq}: {layout!r} over {n} ranks needs a multiple of {m}; pad the batch to a "
-                    f"multiple of {m} (pad_to_multiple_of={m} in the collator, with attention_mask or -100 labels)"), fields
-    if isinstance(layout, DocZigzag):
-        return {}, "layout=DocZigzag carries fixed documents; use dtcp.Zigzag() or dtcp.Contiguous() here", fields
+                    f"multiple of {m} (pad_to_multiple_of={m} in the collator, with attention_mask or -100 labels)"), fields, layout
+    if isinstance(layout, (DocZigzag, Balanced)):
+        return {}, (f"layout={type(layout).__name__} carries fixed documents, but each batch brings its own; use "
+                    "layout='auto' (Balanced from each batch's documents), dtcp.Zigzag() or dtcp.Contiguous() "
+                    "here"), fields, layout
 
     starts: list[list[int]] = [[] for _ in range(bsz)]
     pos = batch.get("position_ids")
@@ -123,7 +128,7 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
         if pos is None:
             pos = torch.arange(seq, device=ids.device).unsqueeze(0)
     elif not _is_seq_tensor(pos, bsz, seq):
-        return {}, f"position_ids must be (B, S) or (1, S) with S={seq}; got {tuple(pos.shape)}", fields
+        return {}, f"position_ids must be (B, S) or (1, S) with S={seq}; got {tuple(pos.shape)}", fields, layout
     else:
         rows = _boundaries_from_positions(pos)
         starts = [list(r) for r in (rows if len(rows) == bsz else rows * bsz)]
@@ -131,19 +136,19 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
     if am is not None:
         if not (isinstance(am, torch.Tensor) and am.dim() == 2 and tuple(am.shape) == (bsz, seq)):
             return {}, (f"attention_mask must be the 2-D padding mask (B, S)=({bsz}, {seq}); got "
-                        f"{tuple(am.shape) if isinstance(am, torch.Tensor) else type(am).__name__}"), fields
+                        f"{tuple(am.shape) if isinstance(am, torch.Tensor) else type(am).__name__}"), fields, layout
         pad_rows, err = _boundaries_from_padding(am)
         if err:
-            return {}, err, fields
+            return {}, err, fields, layout
         starts = [s + p for s, p in zip(starts, pad_rows)]
     cu = batch.pop("cu_seq_lens_q", None)
     if cu is not None:
         if bsz != 1 or not isinstance(cu, torch.Tensor) or cu.dim() != 1:
             return {}, (f"cu_seq_lens_q (DataCollatorWithFlattening's return_flash_attn_kwargs) needs one packed row "
-                        f"(B=1) and a 1-D tensor; got B={bsz}"), fields
+                        f"(B=1) and a 1-D tensor; got B={bsz}"), fields, layout
         vals = cu.detach().to("cpu").tolist()
         if vals[0] != 0 or vals[-1] != seq or any(b < a for a, b in zip(vals, vals[1:])):
-            return {}, f"cu_seq_lens_q must run from 0 to S={seq}, non-decreasing; got {vals}", fields
+            return {}, f"cu_seq_lens_q must run from 0 to S={seq}, non-decreasing; got {vals}", fields, layout
         starts[0] = starts[0] + [v for v in vals[1:-1] if 0 < v < seq]
     for key in _DROPPED_KEYS:
         batch.pop(key, None)
@@ -152,12 +157,12 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
     shift = batch.pop("shift_labels", None)
     if shift is None and labels is not None:
         if not _is_seq_tensor(labels, bsz, seq):
-            return {}, f"labels must be (B, S) with S={seq}; got {tuple(labels.shape)}", fields
+            return {}, f"labels must be (B, S) with S={seq}; got {tuple(labels.shape)}", fields, layout
         # HF's ForCausalLMLoss shift, done on the whole sequence (not inside each shard)
         shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     if shift is not None:
         if not _is_seq_tensor(shift, bsz, seq):
-            return {}, f"shift_labels must be (B, S) with S={seq}; got {tuple(shift.shape)}", fields
+            return {}, f"shift_labels must be (B, S) with S={seq}; got {tuple(shift.shape)}", fields, layout
         if am is not None:  # a padding row's output is no attention's business: ignore what it predicts
             shift = shift.masked_fill(am.to(shift.device) == 0, IGNORE_INDEX)
         if batch.get("num_items_in_batch") is None:
@@ -167,6 +172,8 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
     batch["use_cache"] = False
     cu_t = _cu_seqlens(starts, seq)
     fields["cu_seqlens"] = "None" if cu_t is None else digest(cu_t.tolist())
+    if isinstance(layout, Auto):  # Balanced for one packed row of documents, else Zigzag
+        layout = layout.resolve(cu_t, seq)
 
     inputs = {}
     for key, value in batch.items():
@@ -174,11 +181,11 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout, model=None) -
             inputs[key] = layout.shard(value, group, 1).clone(memory_format=torch.contiguous_format)
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq and key != "num_items_in_batch":
             return {}, (f"batch[{key!r}] has the sequence length {seq} along dim 1 but is not a key the block knows "
-                        f"how to shard ({', '.join(_SEQ_KEYS)}, labels, attention_mask): shard it or leave it out"), fields
+                        f"how to shard ({', '.join(_SEQ_KEYS)}, labels, attention_mask): shard it or leave it out"), fields, layout
         else:
             inputs[key] = value
     if "shift_labels" in inputs:
         inputs["labels"] = inputs["shift_labels"]  # HF computes the loss only when labels is given; shift_labels wins
     if cu_t is not None:
         inputs["cu_seq_lens_q"] = cu_t
-    return inputs, None, fields
+    return inputs, None, fields, layout

@@ -14,7 +14,7 @@ from ...comm import state_of
 from ...frontends.context import ContextParallelHandle
 from ...frontends.context import context_parallel as _sdpa_context_parallel
 from ...frontends.context import resolve_cp_mesh
-from ...layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
+from ...layouts import Auto, Balanced, Layout, layout_from_spec
 from ..._groups import cp_size_and_rank
 from . import _state
 from .attention_function import ATTN_IMPLEMENTATION
@@ -170,7 +170,7 @@ def context_parallel(
     batch: Optional[Mapping[str, Any]] = None,
     *,
     mesh_dim: Union[str, int, None] = None,
-    layout: Union[Layout, str] = DEFAULT_LAYOUT,
+    layout: Union[Layout, str] = "auto",
     backend: str = "auto",
     strategy: str = "auto",
     check_batch: bool = True,
@@ -186,10 +186,12 @@ def context_parallel(
             restarts are document boundaries, HF's packing rule), ``attention_mask`` (2-D padding:
             left/right padding becomes documents), ``cu_seq_lens_q`` (DataCollatorWithFlattening),
             ``num_items_in_batch`` (default: the batch's non-ignored targets) and any other model
-            keyword. S must be a multiple of ``layout.multiple(N)``.
+            keyword. S must be a multiple of ``layout.multiple(N)`` (2N for "auto").
         mesh_dim: the cp dim's name when `mesh` is N-D.
-        layout: dtcp.Zigzag() (default; balanced causal work) or dtcp.Contiguous() (fewest
-            rounds for sliding windows), dtcp.Striped(b).
+        layout: "auto" (default): per batch, dtcp.Balanced for one packed row of documents
+            (equal tokens and equal causal work per rank on any document mix), else dtcp.Zigzag()
+            (balanced causal work); ``cp.layout`` says which. Or a fixed one: dtcp.Zigzag(),
+            dtcp.Contiguous() (fewest rounds for sliding windows), dtcp.Striped(b).
         backend, strategy: as in dtcp.ring_attention.
         check_batch: agree on a digest of the batch across the cp ranks (one host round trip
             through the store): a batch that differs between cp ranks raises on every rank.
@@ -205,9 +207,10 @@ def context_parallel(
     layout = layout_from_spec(layout)
     error = check_model(model)
     inputs, fields = {}, {}
+    batch_layout = layout.resolve(None) if isinstance(layout, Auto) else layout  # (no batch: the user shards with cp.layout)
     if error is None and batch is not None:
         try:
-            inputs, error, fields = prepare_batch(batch, pg, layout, model)
+            inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model)
             if error is None:
                 rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
                 error = check_model_for_length(model, int(rows.shape[1]) * cp_size_and_rank(pg)[0])
@@ -232,6 +235,12 @@ def context_parallel(
     if _state.ACTIVE is not None:
         raise RuntimeError("dtcp.integrations.transformers.context_parallel blocks do not nest")
     state = _state.state_for(pg, layout, backend, strategy)
+    # The attention calls take a Balanced batch as a Balanced without documents plus the boundaries
+    # tensor (the same placement): one object and a tensor under torch.compile, not a new object
+    # per batch. (Auto resolves to one Zigzag object for every batch without documents.)
+    configured = state.configured_layout
+    if isinstance(configured, Auto):
+        state.layout = configured.by_boundaries if isinstance(batch_layout, Balanced) else batch_layout
     state.seen = False
     state.mask_windows = ()
     # The batch's boundaries and shard shape go to the attention function through the block's
@@ -245,8 +254,11 @@ def context_parallel(
     try:
         # Direct F.scaled_dot_product_attention calls (outside transformers' interface) become exact
         # ring attention too, instead of attending to the local shard.
-        with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=layout, backend=backend, strategy=strategy):
-            yield HFContextParallel(mesh, pg, layout, inputs)
+        # They get the batch's documents too.
+        documents = {} if state.cu_seqlens is None else {"cu_seqlens": state.cu_seqlens}
+        with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=batch_layout, backend=backend, strategy=strategy,
+                                    **documents):
+            yield HFContextParallel(mesh, pg, batch_layout, inputs)
         clean = True
     finally:
         _state.ACTIVE = None

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...layouts import DEFAULT_LAYOUT, Layout, layout_from_spec
+from ...layouts import Layout, layout_from_spec
 from .block import context_parallel
 
 logger = logging.getLogger(__name__)
@@ -82,15 +82,17 @@ class ContextParallelConfig:
         cp_size: ranks that share one sequence (1: no context parallelism). The world size must be a
             multiple; ``dp = world_size // cp_size``. Ranks ``[d * cp_size, (d + 1) * cp_size)`` form
             cp group ``d`` (consecutive ranks: on one host with ``cp_size`` <= GPUs per host).
-        layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"`` (fewest rounds for
-            sliding windows), or a `dtcp.Layout`.
+        layout: ``"auto"`` (default: per batch, ``dtcp.Balanced`` for one packed row of documents,
+            equal tokens and equal causal work per rank on any document mix, else zigzag),
+            ``"zigzag"`` (balanced causal work over the whole sequence), ``"contiguous"`` (fewest
+            rounds for sliding windows), or a `dtcp.Layout`.
         strategy, backend: as in `dtcp.ring_attention`.
         check_batch: agree on a digest of each batch across the cp ranks (a batch that differs
             between them raises on every rank).
     """
 
     cp_size: int = 1
-    layout: Union[str, Layout] = DEFAULT_LAYOUT
+    layout: Union[str, Layout] = "auto"
     strategy: str = "auto"
     backend: str = "auto"
     check_batch: bool = True

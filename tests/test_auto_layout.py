@@ -1,0 +1,211 @@
+"""layout="auto": each batch is sharded with `Balanced` when one packed row holds several
+documents, else with `Zigzag` (dtcp/layouts/auto.py), by `dtcp.context_parallel` and the
+transformers integration (whose default it is). Exact against one process in float64; compiled
+with a new document mix every step: no graph break, no recompile. Also `layout="balanced"` with
+`cu_seqlens` (the placement of the boundaries, the form the integrations' attention calls take)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import dtcp
+from dist_harness import run_ranks
+from reference import exact_err, reference_attention, window_doc_mask
+
+KEYS = ("out", "dq", "dk", "dv")
+
+
+def _cu(docs):
+    out = [0]
+    for n in docs:
+        out.append(out[-1] + n)
+    return out
+
+
+# ---- the choice (pure) --------------------------------------------------------------------------------
+
+
+def test_auto_resolves_documents_to_balanced():
+    auto = dtcp.Auto()
+    assert auto.resolve([0, 5, 9, 16], 16) == dtcp.Balanced((5, 4, 7))
+    assert auto.resolve(torch.tensor([0, 5, 9, 16, 16, 16], dtype=torch.int32), 16) == dtcp.Balanced((5, 4, 7, 0, 0))
+    assert dtcp.Auto(min_chunk=1).resolve([0, 5, 16], 16) == dtcp.Balanced((5, 11), min_chunk=1)
+    # no documents, one document, or rows with documents of their own (boundaries over B * S): zigzag
+    for cu, s in ((None, 16), ([0, 16], 16), ([0, 16, 16], 16), ([0, 5, 16, 20, 32], 16)):
+        assert auto.resolve(cu, s) == dtcp.Zigzag(), cu
+    assert auto.resolve(None) is auto.resolve([0, 16], 16)  # one object (stable under torch.compile guards)
+    assert auto.multiple(4) == 8  # zigzag's: padding to it suits either choice
+    assert dtcp.layout_from_spec("auto@64") == dtcp.Auto(min_chunk=64)
+    assert dtcp.layout_from_spec("balanced@1:3,5") == dtcp.Balanced((3, 5), min_chunk=1)
+    assert dtcp.layout_from_spec("balanced") == dtcp.Balanced()
+    with pytest.raises(ValueError, match="chosen per batch"):
+        auto.runs(16, 2, 0)
+    with pytest.raises(ValueError, match="from_cu_seqlens"):
+        dtcp.Balanced().runs(16, 2, 0)
+    with pytest.raises(ValueError, match="min_chunk must be an int >= 1"):
+        dtcp.Balanced((4, 4), min_chunk=0)
+
+
+# ---- ring_attention(layout="balanced", cu_seqlens=...) ------------------------------------------------
+
+
+def balanced_by_boundaries_errors(docs, spec, window=(-1, -1)):
+    """ring_attention with layout `spec` ("balanced[@k]") and the boundaries as cu_seqlens, the
+    inputs sharded with Balanced.from_cu_seqlens: errors against one process."""
+    min_chunk = dtcp.layout_from_spec(spec).min_chunk
+    cu = torch.tensor(_cu(docs), dtype=torch.int32)
+    layout = dtcp.Balanced.from_cu_seqlens(cu, min_chunk=min_chunk)
+    s = sum(docs)
+    g = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, _ = reference_attention(*ref, mask=window_doc_mask(s, is_causal=True, window=window,
+                                                                cu_seqlens=cu.tolist()))
+    out_ref.backward(dout)
+    local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    out = dtcp.ring_attention(*local, layout=spec, cu_seqlens=cu, is_causal=True, enable_gqa=True,
+                              window_size=window, strategy="ring")
+    out.backward(layout.shard(dout, dim=2))
+    got = (out, *(t.grad for t in local))
+    want = (out_ref, *(t.grad for t in ref))
+    return {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
+
+
+@pytest.mark.parametrize("n,docs,spec,window", [
+    (2, (21, 3, 5, 3), "balanced@1", (-1, -1)),     # the 21 is cut
+    (4, (40, 3, 3, 2, 9, 7), "balanced@1", (5, 0)),
+    (4, (40, 3, 3, 2, 9, 7), "balanced", (-1, -1)),  # min_chunk 512: nothing cut, pieces split at rank ends
+])
+def test_ring_attention_balanced_by_boundaries_exact(n, docs, spec, window):
+    for r in run_ranks(n, balanced_by_boundaries_errors, docs, spec, window):
+        assert max(r.values()) < 1e-10, r
+
+
+def auto_misuse():
+    x = torch.zeros(1, 2, 8, 4, dtype=torch.float64)
+    out = []
+    for layout, kwargs in (("auto", {}), ("balanced", {})):
+        try:
+            dtcp.ring_attention(x, x, x, layout=layout, is_causal=True, **kwargs)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_auto_and_balanced_without_documents_raise_on_every_rank():
+    for r in run_ranks(2, auto_misuse):
+        assert len(r) == 2 and "chosen per batch" in r[0] and "pass cu_seqlens" in r[1], r
+
+
+# ---- dtcp.context_parallel(layout="auto") -------------------------------------------------------------
+
+
+def context_parallel_auto(docs, b):
+    """A layer's projections and F.scaled_dot_product_attention inside dtcp.context_parallel with
+    layout="auto" and the batch's documents: the layout it chose, and the errors of the output
+    and of every gradient against the same layer on one process (documents masked)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    s = sum(docs) if docs else 8 * n
+    cu = None if docs is None else torch.tensor(_cu(docs), dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(b, s, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(16, 48, generator=g, dtype=torch.float64)
+
+    def layer(x, w):  # x: (B, S', 16) -> (B, 4, S', 8), causal
+        q, k, v = (x @ w).view(x.shape[0], x.shape[1], 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    q, k, v = (xr @ wr).view(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4)
+    mask = window_doc_mask(s, is_causal=True, window=(-1, -1), cu_seqlens=None if cu is None else cu.tolist())
+    ref, _ = reference_attention(q, k, v, mask=mask)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dout)
+
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    kwargs = {} if cu is None else {"cu_seqlens": cu}
+    with dtcp.context_parallel(mesh, [xl], [1], layout=dtcp.Auto(min_chunk=1), **kwargs) as cp:
+        out = layer(xl, wl)
+        out.backward(cp.layout.shard(dout, cp.group, 2))
+        chosen = cp.layout
+    # (x's gradient is the full one after the block: each shard's, gathered on exit)
+    errs = {"out": exact_err(out, chosen.shard(ref.detach(), cp.group, 2)), "dx": exact_err(xl.grad, xr.grad)}
+    dw = wl.grad.clone()
+    dist.all_reduce(dw)  # each rank's rows' share of the weight gradient
+    errs["dw"] = exact_err(dw, wr.grad)
+    return {"layout": chosen.name, **errs}
+
+
+@pytest.mark.parametrize("n,docs,b,want", [
+    (2, (21, 3, 5, 3), 1, "balanced"),
+    (4, (40, 3, 3, 2, 9, 7), 2, "balanced"),   # documents shared by both rows: Balanced too
+    (2, None, 1, "zigzag"),
+])
+def test_context_parallel_auto_exact(n, docs, b, want):
+    for r in run_ranks(n, context_parallel_auto, docs, b):
+        assert r["layout"] == want, r
+        assert max(r[key] for key in ("out", "dx", "dw")) < 1e-10, r
+
+
+# ---- transformers: auto by default, compiled, a new document mix every step -------------------------
+
+
+def hf_compiled_new_documents_every_step():
+    """A tiny Llama, attn_implementation="dtcp", compiled once (aot_eager, fullgraph): each step a
+    packed row of a new document mix (another number of documents, the same length) through the
+    integration's default layout ("auto" -> Balanced). Logits and every parameter gradient equal
+    eager's; no graph break, one compile for all steps."""
+    import transformers
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dtcp.integrations.transformers as dtcp_hf
+
+    torch._dynamo.reset()
+    counters.clear()
+    n = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="dtcp", dtype=torch.float64)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="dtcp", dtype=torch.float64)
+    model.load_state_dict(eager.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(2)
+    coll = transformers.DataCollatorWithFlattening(return_tensors="pt")
+    errs, frames, layouts = [], [], []
+    for docs in ((19, 5, 3, 5), (2, 2, 28), (10, 10, 6, 4, 2), (16, 16), (7, 1, 1, 1, 22)):
+        batch = dict(coll([{"input_ids": torch.randint(0, 64, (d,), generator=g).tolist()} for d in docs]))
+        grads = []
+        for net, runner in ((eager, eager), (model, compiled)):
+            net.zero_grad()
+            with dtcp_hf.context_parallel(net, mesh, batch) as cp:
+                out = runner(**cp.inputs)
+                out.loss.backward()
+                logits = cp.gather(out.logits.detach())
+            dtcp_hf.sum_gradients(net, cp.group)
+            grads.append((logits, [p.grad.clone() for p in net.parameters()]))
+            layouts.append(cp.layout.name)
+        (le, ge), (lc, gc) = grads
+        errs += [exact_err(lc, le)] + [exact_err(a, b) for a, b in zip(gc, ge)]
+        frames.append(counter.frame_count)
+    return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values()),
+            "layouts": sorted(set(layouts))}
+
+
+def test_transformers_auto_compiled_new_documents_every_step():
+    pytest.importorskip("transformers")
+    for r in run_ranks(2, hf_compiled_new_documents_every_step, timeout=400):
+        assert r["layouts"] == ["balanced"], r
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["frames"] == [1] * len(r["frames"]), r  # a new document mix is no recompile
