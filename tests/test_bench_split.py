@@ -70,6 +70,7 @@ def test_json_has_every_field(results):
         assert a["pick"] in ("ring", "allgather", "ulysses") and a["within_5pct"] in (True, False), a
     summary = on_disk["auto_summary"]
     assert summary["points"] == len(on_disk["auto"]) and 0 <= summary["fraction"] <= 1
+    assert 0 <= summary["kernel_model_within_5pct"] <= summary["points"]
     assert on_disk["meta"]["complete"]
 
 

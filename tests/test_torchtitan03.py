@@ -95,8 +95,11 @@ def test_bad_options_name_the_flag(field, value, match):
 
 def test_any_layout_spec_passes_through():
     """The layout option is dtcp's layout spec string, whatever layouts dtcp has."""
-    for spec in ("zigzag", "contiguous", "striped", "striped:8"):
+    for spec in ("zigzag", "contiguous", "striped", "striped:8", "auto", "auto@64"):
         assert dt.dtcp_options(dt.DtcpSection(layout=spec)).layout == dtcp.layout_from_spec(spec)
+    for spec in ("balanced:8,8", "doczigzag:8,8"):  # fixed documents: every batch brings its own
+        with pytest.raises(ValueError, match="use 'auto'"):
+            dt.dtcp_options(dt.DtcpSection(layout=spec))
 
 
 def test_document_boundaries_from_positions():
@@ -127,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(out, name, nproc, *args) -> dict[int, float]:
+def _train(out, name, nproc, *args, batch: int = BATCH) -> dict[int, float]:
     """torchtitan's trainer under torchrun (`nproc` gloo ranks); rank 0's loss per step."""
     try:
         from dist_harness import close_all
@@ -142,7 +145,7 @@ def _train(out, name, nproc, *args) -> dict[int, float]:
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--tee", "3",
            "--local-ranks-filter", "0", os.path.join(ROOT, "tests", "torchtitan03_cpu_train.py"),
            "--module", CONFIGS, "--config", "llama3_debug_dtcp", "--dump_folder", str(out / name),
-           "--training.steps", str(STEPS), "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH),
+           "--training.steps", str(STEPS), "--training.seq_len", str(SEQ), "--training.local_batch_size", str(batch),
            "--training.mixed_precision_param", "float32", "--hf_assets_path", str(out / "assets" / "tokenizer"),
            "--dataloader.dataset_path", str(out / "assets" / "c4_tiny"), "--validator.freq", "1000000",
            "--debug.seed", "42", *args]
@@ -189,13 +192,13 @@ def seeded(tmp_path_factory):
 _REFERENCES: dict = {}
 
 
-def _cp1(seeded, *dtcp_args) -> dict[int, float]:
-    """CP=1 on one rank (dtcp attention, whole sequences), cached per dtcp options."""
+def _cp1(seeded, *dtcp_args, batch: int = BATCH) -> dict[int, float]:
+    """CP=1 on one rank (dtcp attention, whole sequences), cached per dtcp options and batch size."""
     out, load = seeded
-    key = tuple(dtcp_args)
+    key = (tuple(dtcp_args), batch)
     if key not in _REFERENCES:
         _REFERENCES[key] = _train(out, f"cp1_{len(_REFERENCES)}", 1, "--parallelism.context_parallel_degree", "1",
-                                  *load, *dtcp_args)
+                                  *load, *dtcp_args, batch=batch)
     return _REFERENCES[key]
 
 
@@ -231,6 +234,20 @@ def test_trainer_cp_matches_cp1(seeded, cp, dtcp_args, compiled):
     text = (out / f"{name}.log").read_text()
     assert f"dtcp: 6 attention modules over cp={cp}" in text, text[-3000:]
     _assert_close(ref, got, name)
+
+
+def test_auto_layout_balances_one_packed_row(seeded):
+    """--dtcp.layout auto with one packed row per batch (local_batch_size 1): each batch sharded
+    with Balanced for its own documents, compiled; the losses equal CP=1's."""
+    out, load = seeded
+    ref = _cp1(seeded, batch=1)
+    name = "cp2_auto_b1_c"
+    got = _train(out, name, 2, "--parallelism.context_parallel_degree", "2", *load, "--dtcp.layout", "auto@8",
+                 "--compile.enable", "--compile.backend", "aot_eager", "--dtcp.strategy", "ring", batch=1)
+    text = (out / f"{name}.log").read_text()
+    _assert_close(ref, got, name)
+    # Balanced where a row packs several documents (a row of one document gets zigzag)
+    assert "layout=auto@8" in text and "dtcp: layout auto -> balanced" in text, text[-3000:]
 
 
 def test_window_changes_the_losses(seeded):

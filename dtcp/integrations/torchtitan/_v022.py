@@ -77,7 +77,7 @@ from torchtitan.tools.logging import logger  # noqa: E402
 import dtcp  # noqa: E402
 from ..._groups import group_size  # noqa: E402
 from ...kernels import KERNELS  # noqa: E402
-from ...layouts import Layout, layout_from_spec  # noqa: E402
+from ...layouts import Auto, Balanced, DocZigzag, Layout, layout_from_spec  # noqa: E402
 from ...plan import KV_EXCHANGES, STRATEGIES  # noqa: E402
 
 __all__ = [
@@ -142,6 +142,10 @@ def dtcp_options(job_config) -> DtcpOptions:
         layout = layout_from_spec(section.layout)
     except (TypeError, ValueError) as e:
         raise ValueError(f"[dtcp] layout = {section.layout!r}: {e}") from None
+    if isinstance(layout, (Auto, Balanced, DocZigzag)):
+        raise ValueError(f"[dtcp] layout = {section.layout!r}: torchtitan 0.2.2 shards through one layout per cp group; "
+                         "use 'zigzag', 'contiguous' or 'striped' here ('auto', Balanced documents per batch, is in the "
+                         "torchtitan 0.3 integration)")
     backends = ["auto", *sorted(KERNELS)]
     if section.backend not in backends:
         raise ValueError(f"[dtcp] backend = {section.backend!r}: use one of {backends}")

@@ -55,7 +55,7 @@ import dtcp
 from . import _patches
 from ..._groups import group_size
 from ...kernels import KERNELS
-from ...layouts import Layout, layout_from_spec
+from ...layouts import Auto, Balanced, DocZigzag, Layout, layout_from_spec
 from ...plan import STRATEGIES
 
 __all__ = [
@@ -80,8 +80,10 @@ class DtcpSection:
 
     layout: str = "zigzag"
     """How each sequence is split over the cp ranks: any dtcp layout spec ("zigzag",
-    "contiguous", "striped", "striped:<block>", ...). seq_len must be a multiple of what the
-    layout needs (2*cp for zigzag)."""
+    "contiguous", "striped", "striped:<block>", ...), or "auto": per batch, Balanced (equal
+    tokens and equal causal work per rank on any document mix) when a batch is one packed row of
+    documents (local_batch_size 1), else zigzag. seq_len must be a multiple of what the layout
+    needs (2*cp for zigzag and auto)."""
 
     strategy: str = "auto"
     """"ring", "allgather", "ulysses" (n_heads a multiple of cp) or "auto" (dtcp's cost model on
@@ -117,6 +119,9 @@ def dtcp_options(section: DtcpSection) -> DtcpOptions:
         layout = layout_from_spec(section.layout)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--dtcp.layout {section.layout!r}: {e}") from None
+    if isinstance(layout, (Balanced, DocZigzag)):
+        raise ValueError(f"--dtcp.layout {section.layout!r}: a layout of fixed documents, but every batch brings its "
+                         "own; use 'auto' (Balanced from each batch's documents) or 'zigzag'")
     if section.strategy not in _ONE_DIM_STRATEGIES:
         raise ValueError(f"--dtcp.strategy {section.strategy!r}: use one of {_ONE_DIM_STRATEGIES} (torchtitan's cp "
                          "mesh dim is 1-D, so 'hybrid' is not available here)")
@@ -139,6 +144,10 @@ class DtcpDocuments(NamedTuple):
     cu_seqlens: torch.Tensor
     """(n + 1,) int32 boundaries over the batch flattened row-major (0 ... B*S), a boundary at
     every row start; built on the whole batch, so the same on every cp rank."""
+    layout: Optional[Layout] = None
+    """The layout this batch was sharded with, where it is chosen per batch (``--dtcp.layout
+    auto``): a Balanced without documents (the placement of `cu_seqlens`) or Zigzag; one object
+    per choice, so compiled blocks see the same one every batch. None: the attention's own."""
 
 
 def document_boundaries(positions: torch.Tensor) -> torch.Tensor:
@@ -198,9 +207,14 @@ class DtcpAttention(Module):
         if attention_masks is not None and not isinstance(attention_masks, DtcpDocuments):
             raise TypeError(f"DtcpAttention takes DtcpDocuments or None as attention_masks, got "
                             f"{type(attention_masks).__name__}: run it under DtcpTrainer")
+        layout = self.layout
+        if attention_masks is not None and attention_masks.layout is not None:
+            layout = attention_masks.layout
+        if isinstance(layout, Auto):  # no documents this batch: what the trainer sharded with
+            layout = layout.resolve(None)
         out = dtcp.ring_attention(
             q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), self.group,
-            layout=self.layout, is_causal=True, scale=scale, enable_gqa=q_BLNH.shape[2] != k_BLNH.shape[2],
+            layout=layout, is_causal=True, scale=scale, enable_gqa=q_BLNH.shape[2] != k_BLNH.shape[2],
             backend=self.backend, strategy=self.strategy, window_size=self.window_size,
             cu_seqlens=None if attention_masks is None else attention_masks.cu_seqlens,
         )
@@ -307,12 +321,22 @@ class DtcpTrainer(Trainer):
         positions = extra.get("positions")
         if positions is None or not options.documents:
             positions = torch.arange(S, device=inputs.device, dtype=torch.int64).expand(B, S)
+        cu = document_boundaries(positions) if options.documents else None
+        layout, chosen = options.layout, None
+        if isinstance(layout, Auto) and self.parallel_dims.cp_enabled:
+            # Balanced for one packed row of documents, else zigzag (rows of their own documents)
+            layout = layout.resolve(cu, S)
+            chosen = options.layout.by_boundaries if isinstance(layout, Balanced) else layout
+            if getattr(self, "_dtcp_last_choice", None) != layout.name:  # say so when the choice changes
+                self._dtcp_last_choice = layout.name
+                logger.info(f"dtcp: layout auto -> {layout.name} ({B} row(s) of {S} tokens, "
+                            f"{len(cu) - 1 if cu is not None else 0} documents)")
         if options.documents:
-            extra["attention_masks"] = DtcpDocuments(document_boundaries(positions))
+            extra["attention_masks"] = DtcpDocuments(cu, chosen)
         if self.parallel_dims.cp_enabled:
             cp_mesh = self.parallel_dims.get_mesh("cp")
             group = cp_mesh.get_group()
-            inputs, labels, positions = (options.layout.shard(t, group, dim=1).contiguous()
+            inputs, labels, positions = (layout.shard(t, group, dim=1).contiguous()
                                          for t in (inputs, labels, positions))
         extra["positions"] = positions
         # as torchtitan: after sharding, so that it counts the tokens this rank processes
