@@ -535,7 +535,22 @@ def profile_once(fwd: Callable, bwd: Callable, device, what: str, rows: int = 14
     wall_ms = (time.perf_counter() - t0) * 1e3
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
-    return f"   profile of {what}: wall {wall_ms:.3f} ms for forward + backward (unprofiled)\n{table}"
+    # where the host's time goes (Python functions, cumulative), for host-bound passes
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    bwd(fwd())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(rows + 10)
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
+    return (f"   profile of {what}: wall {wall_ms:.3f} ms for forward + backward (unprofiled)\n{table}\n"
+            f"   host (cProfile, cumulative):\n{text.getvalue()}")
 
 
 # ---- one device, whole sequence ---------------------------------------------------------------------------
