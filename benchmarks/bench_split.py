@@ -645,6 +645,42 @@ def auto_pick(point: Point, device, dtype) -> dict:
                 predicted_kernel_ms={p.strategy: p.kernel_s * 1e3 for p in preds})
 
 
+def replay(path: str, min_chunk: Optional[int] = None) -> dict:
+    """The cost model of this checkout judged against a grid measured earlier (its JSON): each
+    point's pick made anew on meta tensors (no GPU needed), against the measured times."""
+    with open(path) as f:
+        results = json.load(f)
+    meta = results["meta"]
+    scale = float(Fraction(meta["seq_scale"]))
+    cases = {c.name: c for c in build_cases(scale)}
+    dtype = getattr(torch, meta["dtype"])
+    min_chunk = min_chunk or max(1, round(MIN_CHUNK * scale))
+    replayed = []
+    for a in results["auto"]:
+        if "measured_ms" not in a or a["case"] not in cases:
+            continue
+        (_, hq, hkv), = parse_heads([a["heads"]])
+        point = make_point(cases[a["case"]], a["layout"], hq, hkv, meta["head_dim"], a["world_size"], "auto",
+                           min_chunk)
+        rec = dict(a, **auto_pick(point, torch.device("meta"), dtype))
+        one_d = {k: t for k, t in a["measured_ms"].items() if k in ONE_D_STRATEGIES}
+        if rec["pick"] in one_d:
+            best = min(one_d, key=one_d.get)
+            rec.update(best=best, within_5pct=one_d[rec["pick"]] <= 1.05 * one_d[best],
+                       pick_over_best=one_d[rec["pick"]] / one_d[best])
+            if not rec["within_5pct"]:
+                print(f"   MISS {a['case']} {a['heads']} N={a['world_size']} {a['layout']}: auto -> {rec['pick']} "
+                      f"({one_d[rec['pick']]:.2f} ms measured), best {best} ({one_d[best]:.2f} ms); predicted "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in rec["predicted_ms"].items()))
+        else:
+            rec.update(within_5pct=None, note=f"auto's pick {rec['pick']!r} was not measured")
+        replayed.append(rec)
+    out = dict(results, auto=replayed)
+    print(f"replayed {len(replayed)} picks of {path} ({meta.get('device_name')}) with this checkout's cost model")
+    out["auto_summary"] = auto_summary(out)
+    return out
+
+
 # ---- the run ----------------------------------------------------------------------------------------------
 
 def summarize(jobs_res: list[dict], one_ms: float, one_fwd_ms: float, n: int) -> dict:
@@ -707,6 +743,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", nargs="*", default=None,
                    help="'gqa' (32/8), 'mha' (32/32) or Hq/Hkv; default: each case's own (gqa and mha, or gqa)")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--replay", default=None,
+                   help="no runs: judge this checkout's cost model against the measured times of this JSON")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler's top kernels of the slowest rank, per point")
     p.add_argument("--min-chunk", type=int, default=None,
@@ -729,6 +767,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replay:
+        return replay(args.replay, args.min_chunk)
     if args.plot_from:
         with open(args.plot_from) as f:
             results = json.load(f)

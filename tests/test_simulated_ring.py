@@ -21,9 +21,13 @@ CASES = [  # (world size, layout, documents, window)
 
 
 @pytest.mark.parametrize("n,layout,docs,window", CASES, ids=str)
-@pytest.mark.parametrize("one_launch", [False, True])
+@pytest.mark.parametrize("one_launch", [False, True, "index"])
 def test_simulated_ranks_are_exact(n, layout, docs, window, one_launch, monkeypatch):
-    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", one_launch)
+    """one_launch "index": fused, with scattered rows and keys through index_select/index_add_
+    instead of a copy per range (what launches of more than MAX_RANGES ranges take)."""
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", bool(one_launch))
+    if one_launch == "index":
+        monkeypatch.setattr(dtcp.exec.fused, "MAX_RANGES", 0)
     s = sum(docs) if docs else 8 * n
     g = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 4, s, 8, generator=g, dtype=torch.float64) for _ in range(4))

@@ -1,7 +1,8 @@
 """`dtcp.calibrate()`: the cost model's constants (dtcp/plan/cost.py `Machine`), measured on the
 machine it runs on, in a few seconds: a ring transfer, an all-to-all, a tiny all-to-all (latency),
-a device copy, every available kernel on a long square causal block, and the kernel that
-`backend="auto"` picks at two block lengths (the slowdown of short blocks). dtcp.calibrate (api.py)
+a device copy, every available kernel on a long square causal block, the kernel that
+`backend="auto"` picks at two block lengths (the slowdown of short blocks), and the host time of
+one varlen launch of each one-launch kernel. dtcp.calibrate (api.py)
 then measures each strategy's fixed host cost per call. Every
 rank measures; the constants are the slowest rank's (an all-reduce of the times), so that every
 rank's model, and so every rank's choice of strategy, is the same.
@@ -41,6 +42,35 @@ def slowest(values: list[float], pg, device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
     return t.tolist()
+
+
+def launch_host_s(kernel, device: torch.device, dtype: torch.dtype = torch.bfloat16, heads: int = 4,
+                  head_dim: int = 128, calls: int = 30) -> float:
+    """Host seconds of one varlen launch's forward + backward through `kernel` (what a fused ring
+    step pays per launch when the device has little work: the launches queue no faster than the
+    host issues them). Tiny inputs (two sequences of 128 tokens), `calls` in a row, one
+    synchronisation at the end: the wall time per call is the host's."""
+    from ..kernels import VarlenSeqs
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(256, heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=device)
+    seqs = VarlenSeqs((0, 128, 256), (0, 128, 256), cu, cu, 128, 128)
+    scale = head_dim ** -0.5
+
+    def one():
+        out, lse = kernel.varlen_forward(q, k, v, seqs, (-1, 0), scale)
+        kernel.varlen_backward(out, q, k, v, out, lse, seqs, (-1, 0), scale)
+
+    one()  # (compiles, where the kernel compiles)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls
 
 
 def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, heads: int = 32, head_dim: int = 128,
@@ -107,9 +137,22 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
     tiny_task = Task(0, 64, 0, 64, None, 0)
     tiny_kernel = select_kernel("auto", q_tiny, q_tiny, [tiny_task])
     tiny = timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
-    measured = slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates], pg, device)
+    # Host time per varlen launch (forward + backward) of each one-launch kernel: the fused ring's
+    # bound when a rank's steps hold little work.
+    hosts = []
+    for kernel_name in names:
+        kernel = KERNELS[kernel_name]
+        if not kernel.varlen_one_launch or kernel.feature_reason(q, v, None, False):
+            continue
+        try:
+            hosts.append((kernel_name, launch_host_s(kernel, device, dtype, head_dim=head_dim)))
+        except Exception:  # noqa: BLE001 - not measurable here: the shipped figure stays
+            continue
+    measured = slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates]
+                       + [t for _, t in hosts], pg, device)
     t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = measured[:7]
-    rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, measured[7:])]
+    rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, measured[7:7 + len(rates)])]
+    hosts = [(kernel_name, t) for (kernel_name, _), t in zip(hosts, measured[7 + len(rates):])]
 
     def full_flops(q_len: int) -> float:
         return 2.0 * heads * q_len * seq_len * 2 * head_dim * 3.5
@@ -130,6 +173,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         call_overhead_s=tiny,
         memory_bytes_per_s=2 * big.numel() / t_copy,
         kernel_rates=tuple(rates),
+        launch_host_s=tuple(dict(base.launch_host_s) | dict(hosts)),
         launch_s=base.launch_s,  # (not measured here yet: the shipped provisional figure)
         compute_capability=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
                             else base.compute_capability),

@@ -3,9 +3,15 @@
 Tensors here are in *rows* form, one batch row at a time: (L, H, D) views of the ring's
 (B, H, L, D) tensors (x[b].transpose(0, 1): no copy; FlashAttention-4 and flash take such
 strides). A launch's query rows and keys are a view where they tile one range in order, else
-one index_select each. Its output lands on float32 accumulators kept in rows form, (B, L, H, Dv)
-and lse (B, H, L), with one merge per launch (a slice, or a gather/merge/scatter when the rows
-are scattered); dK/dV with index_add_ (a key two sequences share gets both shares).
+one copy of each of its ranges (few ranges; an index_select beyond `MAX_RANGES`). Its output
+lands on float32 accumulators, (B, L, H, Dv) and lse (B, H, L), with one merge per launch (a
+slice, or gather/merge/scatter when the rows are scattered); dK/dV are added range by range (a
+key two sequences share gets both shares, in a fixed order).
+
+Why ranges and not index tensors: rows form is a transposed view, and an index_select or
+index_add_ along its first dim runs a strided gather/scatter kernel; on one H100, for a 64K-token
+rank, those took 15 of a pass's 25 ms (FA4's own kernels 9 ms; bench_split --profile, issue 23).
+A copy per range is a plain strided copy, at memory speed.
 
 Index tensors and cumulative lengths are built once per plan and device and cached with the
 plan object (plans are cached by value, so a new document structure is a new plan).
@@ -80,27 +86,46 @@ def rows(x: torch.Tensor, b: int) -> torch.Tensor:
     return x[b].transpose(0, 1)
 
 
-def _pick(x_rows: torch.Tensor, span, index) -> torch.Tensor:
-    """Rows of x_rows (L, ...) along dim 0: the slice `span`, or `index`."""
+#: a launch's rows or keys in at most this many ranges are copied range by range; more, one index_select
+MAX_RANGES = 32
+
+
+def _pick(x_rows: torch.Tensor, span, index, ranges) -> torch.Tensor:
+    """Rows of x_rows (L, ...) along dim 0: the slice `span`, else `ranges` (= `index`) copied."""
     if index is None:
         return x_rows[span[0]:span[1]]
+    if len(ranges) <= MAX_RANGES:
+        return torch.cat([x_rows[a:b] for a, b in ranges])
     return x_rows.index_select(0, index)
 
 
-def _pick_lse(lse_rows: torch.Tensor, span, index) -> torch.Tensor:
-    """Columns of a (H, L) lse: a slice or an index_select along dim 1, contiguous."""
+def _pick_lse(lse_rows: torch.Tensor, span, index, ranges) -> torch.Tensor:
+    """Columns of a (H, L) lse: a slice, else `ranges` (= `index`), contiguous."""
     if index is None:
         return lse_rows[:, span[0]:span[1]].contiguous()
+    if len(ranges) <= MAX_RANGES:
+        return torch.cat([lse_rows[:, a:b] for a, b in ranges], dim=1)
     return lse_rows.index_select(1, index)
+
+
+def _put(x_rows: torch.Tensor, ranges, index, values: torch.Tensor, dim: int = 0) -> None:
+    """x_rows[rows] = values along `dim` (rows: `ranges`, = `index`, distinct)."""
+    if len(ranges) <= MAX_RANGES:
+        off = 0
+        for a, b in ranges:
+            x_rows.narrow(dim, a, b - a).copy_(values.narrow(dim, off, b - a))
+            off += b - a
+        return
+    x_rows.index_copy_(dim, index, values)
 
 
 def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scale, softcap):
     """One launch on one batch row: (out (T, H, Dv), lse (H, T) float32). k_rows/v_rows: the
     held span's keys (the launch counts keys from its start)."""
     launch = li.launch
-    q = _pick(q_rows, launch.q_span, li.q_index)
-    k = _pick(k_rows, launch.k_span, li.k_index)
-    v = _pick(v_rows, launch.k_span, li.k_index)
+    q = _pick(q_rows, launch.q_span, li.q_index, launch.q_ranges)
+    k = _pick(k_rows, launch.k_span, li.k_index, launch.k_ranges)
+    v = _pick(v_rows, launch.k_span, li.k_index, launch.k_ranges)
     return kernel.varlen_forward(q, k, v, li.seqs, launch.window, scale, softcap=softcap)
 
 
@@ -113,11 +138,12 @@ def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchI
         a, b = launch.q_span
         merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out, blk_lse)
         return
-    acc_out = out_acc_rows.index_select(0, li.q_index).transpose(0, 1).unsqueeze(0)
-    acc_lse = lse_acc.index_select(1, li.q_index).unsqueeze(0)
+    ranges = launch.q_ranges  # (distinct rows: a launch's sequences never share a query row)
+    acc_out = _pick(out_acc_rows, None, li.q_index, ranges).transpose(0, 1).unsqueeze(0)
+    acc_lse = _pick_lse(lse_acc, None, li.q_index, ranges).unsqueeze(0)
     merge_into_(acc_out, acc_lse, blk_out, blk_lse)
-    out_acc_rows.index_copy_(0, li.q_index, acc_out[0].transpose(0, 1))
-    lse_acc.index_copy_(1, li.q_index, acc_lse[0])
+    _put(out_acc_rows, ranges, li.q_index, acc_out[0].transpose(0, 1))
+    _put(lse_acc, ranges, li.q_index, acc_lse[0], dim=1)
 
 
 def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows, lse_b, li: LaunchIndex,
@@ -125,16 +151,22 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
     """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L)."""
     launch = li.launch
     q_span, q_index = launch.q_span, li.q_index
-    q, dout, out = (_pick(x, q_span, q_index) for x in (q_rows, dout_rows, out_rows))
-    k = _pick(k_rows, launch.k_span, li.k_index)
-    v = _pick(v_rows, launch.k_span, li.k_index)
-    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, q_span, q_index), li.seqs, launch.window,
-                                  scale, softcap=softcap)
+    q, dout, out = (_pick(x, q_span, q_index, launch.q_ranges) for x in (q_rows, dout_rows, out_rows))
+    k = _pick(k_rows, launch.k_span, li.k_index, launch.k_ranges)
+    v = _pick(v_rows, launch.k_span, li.k_index, launch.k_ranges)
+    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, q_span, q_index, launch.q_ranges), li.seqs,
+                                  launch.window, scale, softcap=softcap)
 
 
-def add_rows_(acc_rows: torch.Tensor, span, index, grad: torch.Tensor) -> None:
-    """acc_rows[rows] += grad along dim 0 (rows: the slice `span`, or `index`, which may repeat)."""
+def add_rows_(acc_rows: torch.Tensor, span, index, grad: torch.Tensor, ranges=()) -> None:
+    """acc_rows[rows] += grad along dim 0 (rows: the slice `span`, else `ranges` (= `index`),
+    which may repeat: each range's share is added, in order)."""
     if index is None:
         acc_rows[span[0]:span[1]] += grad
+    elif len(ranges) <= MAX_RANGES and ranges:
+        off = 0
+        for a, b in ranges:
+            acc_rows[a:b] += grad[off:off + b - a]
+            off += b - a
     else:
         acc_rows.index_add_(0, index, grad.to(acc_rows.dtype))

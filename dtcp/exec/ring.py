@@ -202,8 +202,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 for li in fused[t]:
                     dq_t, dk_t, dv_t = launch_backward(kernel, rows(dout, b), rows(q, b), rows(cur[0], b),
                                                        rows(cur[1], b), rows(out, b), lse[b], li, scale, softcap)
-                    add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t)
-                    block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t))
+                    add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
+                    block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t, li.launch.k_ranges))
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -221,7 +221,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     grads[2][ks] = dv_t
                 continue
             _rows(dq_acc, task.q_start, task.q_end, dq_rows[0]).add_(dq_t)
-            block_grads.append((None, ks, None, dk_t, dv_t))
+            block_grads.append((None, ks, None, dk_t, dv_t, ()))
             del dq_t, dk_t, dv_t
         if t == 0 and keep_local:
             # the local calls are all in: float32 only for the rows and keys others add to
@@ -238,13 +238,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             else:
                 comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
             dkv_works = None
-        for b, ks, index, dk_t, dv_t in block_grads:
+        for b, ks, index, dk_t, dv_t, k_ranges in block_grads:
             if b is None:
                 travelling[0][ks] += dk_t
                 travelling[1][ks] += dv_t
             else:  # a launch's keys (rows form; a key two of its sequences share gets both shares)
-                add_rows_(rows(travelling[0], b), ks, index, dk_t)
-                add_rows_(rows(travelling[1], b), ks, index, dv_t)
+                add_rows_(rows(travelling[0], b), ks, index, dk_t, k_ranges)
+                add_rows_(rows(travelling[1], b), ks, index, dv_t, k_ranges)
         del block_grads
         if t > 0 and moves:
             if t not in plan.chain_ends:

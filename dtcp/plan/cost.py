@@ -14,9 +14,9 @@ ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves v
   the backward's). `pairs` is the rank with the most work's (a ring or all-gather over an
   unbalanced layout, e.g. zigzag over a long-tailed document mix, waits for it), and launches are
   those of the rank that launches most: a ring step's tasks as one varlen launch per window where
-  the kernel has a one-launch form (plan/fuse.py), else one per task. The host's
-  `call_overhead_s` per launch (three with the backward: forward, backward and the merge) hides
-  behind the device's work unless it is the larger;
+  the kernel has a one-launch form (plan/fuse.py), else one per task. The host's time per launch
+  (`call_overhead_s`, three with the backward: forward, backward and the merge; or the kernel's
+  own `launch_host_s`, FA4's ~0.5 ms) hides behind the device's work unless it is the larger;
 * **ring**: `rounds` steps, each overlapping one K/V transfer (B * Hkv * K * (D + Dv) * e bytes,
   K the keys of the block its holders use: L, or a window's span; in the backward K/V plus
   float32 dK/dV) with one block's kernels; the slowest rank's pairs set the step (contiguous
@@ -65,11 +65,24 @@ class Machine:
     # after a ring launch), per pass. PROVISIONAL: 15 us is an estimate, not a measurement; the
     # per-rank runs of benchmarks/bench_split.py are to measure it (issue 23).
     launch_s: float = 15e-6
+    # Host seconds of one launch's forward + backward, per kernel, where it exceeds
+    # `call_overhead_s` by far: FA4's launches go through Python (CuTe DSL argument handling),
+    # ~0.5 ms a launch pair (H100, FA4 4.0.0b36, measured by dtcp.calibrate's launch_host_s). A
+    # rank whose steps hold little work (short documents, 8K tokens per rank) waits on its host:
+    # bench_split --profile measured 3.3 ms of device time in a 12 ms pass (issue 23).
+    launch_host_s: tuple = (("fa4", 5e-4),)
     # The GPU's compute capability: what kernels a prediction on meta tensors assumes (FA4 needs >= 9.0)
     compute_capability: tuple = (9, 0)
 
     def rate_of(self, kernel: Optional[str]) -> float:
         return dict(self.kernel_rates).get(kernel, self.kernel_flops_per_s)
+
+    def host_of(self, kernel: Optional[str], backward: bool = True) -> float:
+        """Host seconds per launch (its forward, or forward + backward and the merge)."""
+        pair = dict(self.launch_host_s).get(kernel)
+        if pair is None:
+            return self.call_overhead_s * (3 if backward else 1.5)
+        return pair if backward else pair * 0.4  # (the forward's share of a launch pair, measured ~0.4)
 
     def fixed_of(self, strategy: str) -> float:
         return dict(self.fixed_s).get(strategy, 0.0)
@@ -176,8 +189,8 @@ def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: O
     rate = peak * rows / (rows + machine.kernel_half_rows) if rows > 0 else 1.0
     device = flops / rate + calls * machine.launch_s * (2 if backward else 1)
     # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
-    # is the larger (many small calls: documents, short sequences).
-    return max(device, calls * machine.call_overhead_s * (3 if backward else 1.5))
+    # is the larger (many small calls: documents, short sequences; FA4's Python launches).
+    return max(device, calls * machine.host_of(kernel, backward))
 
 
 def _flops(shape: CallShape, heads: float, pairs: float) -> float:
