@@ -78,6 +78,7 @@ and the run goes on with the next. `--max-seconds` stops starting new points aft
 from __future__ import annotations
 
 import argparse
+import gzip
 import contextlib
 import json
 import math
@@ -648,7 +649,7 @@ def auto_pick(point: Point, device, dtype) -> dict:
 def replay(path: str, min_chunk: Optional[int] = None) -> dict:
     """The cost model of this checkout judged against a grid measured earlier (its JSON): each
     point's pick made anew on meta tensors (no GPU needed), against the measured times."""
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         results = json.load(f)
     meta = results["meta"]
     scale = float(Fraction(meta["seq_scale"]))

@@ -101,3 +101,13 @@ def test_lognormal_fit_matches_the_published_histogram():
     assert abs(mu - 5.80) < 0.01 and abs(sigma - 1.25) < 0.01  # the figures the docstring cites
     docs = bench_split.lognormal_docs(1 << 17, 0, 1.0)
     assert sum(docs) == 1 << 17 and min(docs) >= 1
+
+
+def test_replay_rejudges_the_picks_without_a_gpu(results):
+    """--replay: the picks of a measured grid made anew by this checkout's cost model (meta
+    tensors), against the grid's measured times; the same picks here, where nothing changed."""
+    replayed = bench_split.main(["--replay", results["_path"]])
+    before = {(a["case"], a["heads"], a["world_size"], a["layout"]): a["pick"] for a in results["auto"]}
+    after = {(a["case"], a["heads"], a["world_size"], a["layout"]): a["pick"] for a in replayed["auto"]}
+    assert after == before and len(after) > 0  # (the smoke grid's picks were made on meta tensors too)
+    assert replayed["auto_summary"]["points"] == results["auto_summary"]["points"]

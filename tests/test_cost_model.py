@@ -179,3 +179,34 @@ def test_auto_keeps_the_ring_where_it_is_balanced():
         choice, preds = route.explain(q, k, v, args, None, n, 0)
         total = {p.strategy: p.total_s for p in preds}
         assert total["ring"] <= 1.02 * total[choice], total
+
+
+def test_fa4_launches_are_host_bound_where_the_device_has_little_work():
+    """FA4 launches go through Python (~0.5 ms a forward + backward pair, Machine.launch_host_s):
+    a ring whose rank runs many launches of little work is predicted at its host's time, not its
+    flops'; a kernel without such a figure pays call_overhead_s per call, as before."""
+    small = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128, v_head_dim=128, elem_bytes=2, world_size=16,
+                 local_len=8192, ring_pairs=4e6, ring_rounds=15, ring_q_block=512, ring_calls=14,
+                 kernels=(("ring", "fa4"),))
+    host = MACHINE.host_of("fa4")
+    assert host == pytest.approx(dict(MACHINE.launch_host_s)["fa4"])
+    fa4 = predict("ring", CallShape(**small), MACHINE)
+    assert fa4.kernel_s == pytest.approx(14 * host)  # the host's time, larger than the flops'
+    other = predict("ring", CallShape(**{**small, "kernels": (("ring", "cudnn"),)}), MACHINE)
+    assert other.kernel_s < fa4.kernel_s / 5
+    assert MACHINE.host_of("cudnn") == pytest.approx(3 * MACHINE.call_overhead_s)
+    # forward only: the forward's share of the pair
+    fwd = predict("ring", CallShape(**small, backward=False), MACHINE)
+    assert fwd.kernel_s == pytest.approx(14 * host * 0.4)
+    # with much work per launch, the device's time wins again
+    big = predict("ring", CallShape(**{**small, "ring_pairs": 2e9, "ring_q_block": 8192}), MACHINE)
+    assert big.kernel_s > 14 * host
+
+
+def test_calibrate_measures_a_launch_s_host_time():
+    """dtcp.calibrate's launch_host_s: host seconds of one varlen launch's forward + backward,
+    positive and finite (measured here with the CPU's math kernel, which loops over sequences)."""
+    from dtcp.exec.calibrate import launch_host_s
+
+    t = launch_host_s(KERNELS["math"], torch.device("cpu"), torch.float32, heads=2, head_dim=16, calls=3)
+    assert 0 < t < 5.0
