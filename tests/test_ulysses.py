@@ -330,6 +330,8 @@ def calibrated():
                                               "memory_bytes_per_s")}
     fields["fixed"] = tuple(sorted(dict(machine.fixed_s)))
     fields["kernels"] = tuple(name for name, _ in machine.kernel_rates)
+    # (kernel, host seconds per launch) pairs: the shipped FA4 figure where no one-launch kernel runs here
+    fields["launch_host"] = tuple(sorted(dict(machine.launch_host_s)))
     fields["fixed_positive"] = all(math.isfinite(t) and t >= 0 for _, t in machine.fixed_s)
     fields["rates_positive"] = all(math.isfinite(r) and r > 0 for _, r in machine.kernel_rates)
     return {"fields": fields, "applied": applied, "report": report}
@@ -340,6 +342,7 @@ def test_calibrate_measures_the_same_constants_on_every_rank():
     assert results[0]["fields"] == results[1]["fields"]  # the slowest rank's figures, everywhere
     fields = dict(results[0]["fields"])
     assert fields.pop("fixed") == ("allgather", "ring", "ulysses") and fields.pop("kernels") == ("cpu_flash",)
+    assert fields.pop("launch_host") == ("fa4",), results[0]
     assert fields.pop("fixed_positive") and fields.pop("rates_positive"), results[0]
     assert all(math.isfinite(v) and v > 0 for v in fields.values()), results[0]
     assert results[0]["applied"] and results[0]["report"] == results[1]["report"]

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..kernels import AUTO_ORDER, KERNELS, select_kernel
+from ..kernels import AUTO_ORDER, KERNELS, VarlenSeqs, select_kernel
 from ..plan import MACHINES, Machine, Task
 
 
@@ -50,8 +50,6 @@ def launch_host_s(kernel, device: torch.device, dtype: torch.dtype = torch.bfloa
     step pays per launch when the device has little work: the launches queue no faster than the
     host issues them). Tiny inputs (two sequences of 128 tokens), `calls` in a row, one
     synchronisation at the end: the wall time per call is the host's."""
-    from ..kernels import VarlenSeqs
-
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(256, heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3))
     cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=device)
@@ -173,7 +171,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         call_overhead_s=tiny,
         memory_bytes_per_s=2 * big.numel() / t_copy,
         kernel_rates=tuple(rates),
-        launch_host_s=tuple(dict(base.launch_host_s) | dict(hosts)),
+        launch_host_s=tuple((dict(base.launch_host_s) | dict(hosts)).items()),
         launch_s=base.launch_s,  # (not measured here yet: the shipped provisional figure)
         compute_capability=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
                             else base.compute_capability),
