@@ -282,10 +282,9 @@ def explain(
     n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
-    if isinstance(layout, Balanced) and not layout.carries_documents:
-        layout_spec, cu_values = layout.op_spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    elif isinstance(layout, Balanced):
-        layout_spec, cu_values = layout.op_spec(), tuple(layout.cu_seqlens.tolist())
+    if isinstance(layout, Balanced):  # its documents, or (Balanced()) the call's
+        cu = layout.cu_seqlens if layout.carries_documents else cu_seqlens
+        layout_spec, cu_values = layout.op_spec(), None if cu is None else tuple(cu.tolist())
     elif isinstance(layout, DocZigzag):
         layout_spec, cu_values = layout.name, tuple(layout.cu_seqlens.tolist())
     else:

@@ -37,10 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-import torch
-
-from .._compat import mark_length_dynamic
-from .base import Layout, check_boundaries
+from .base import Layout, documents_of, documents_tensor
 
 #: the most loaded rank's causal work may exceed the mean by this fraction before more documents are cut
 TOLERANCE = 0.02
@@ -79,26 +76,13 @@ class Balanced(Layout):
         if self.doc_lens is None:
             object.__setattr__(self, "cu_seqlens", None)
             return
-        if not isinstance(self.doc_lens, tuple) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.doc_lens
-        ):
-            raise TypeError(f"Balanced(doc_lens) takes a tuple of non-negative ints; got {self.doc_lens!r}")
-        if sum(self.doc_lens) == 0:
-            raise ValueError("Balanced needs at least one non-empty document")
-        bounds = [0]
-        for n in self.doc_lens:
-            bounds.append(bounds[-1] + n)
         # A private tensor (not a dataclass field: equality and hashing stay by value).
-        # Its length (documents + 1) changes from batch to batch: marked so, torch.compile traces it
-        # symbolic from the first batch on (no recompile when the number of documents changes).
-        object.__setattr__(self, "cu_seqlens", mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32)))
+        object.__setattr__(self, "cu_seqlens", documents_tensor(self.doc_lens, "Balanced"))
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens, min_chunk: int = MIN_CHUNK) -> "Balanced":
         """From the packed sequence's document boundaries: a list or an int tensor (0 = c0 <= ... <= cn = S)."""
-        cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-        check_boundaries(cu, "Balanced: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
-        return Balanced(tuple(b - a for a, b in zip(cu, cu[1:])), min_chunk=min_chunk)
+        return Balanced(documents_of(cu_seqlens, "Balanced"), min_chunk=min_chunk)
 
     def op_spec(self) -> str:
         """The layout as the op receives it (its documents travel as cu_seqlens): "balanced", or

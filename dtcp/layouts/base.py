@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .._compat import mark_length_dynamic
 from .._groups import GroupLike, cp_size_and_rank
 from . import sharding
 
@@ -123,6 +124,29 @@ def check_boundaries(cu: "list[int] | tuple[int, ...]", fix: str) -> None:
     for i in range(1, len(cu)):
         if cu[i] < cu[i - 1]:
             raise ValueError(f"{fix}; it decreases at index {i} ({cu[i - 1]} -> {cu[i]})")
+
+
+def documents_tensor(doc_lens, owner: str) -> torch.Tensor:
+    """The int32 boundaries (0, c1, ..., S) of the documents `doc_lens` of a layout that carries
+    them (`owner`: its class name, for errors), checked: a tuple of non-negative ints, not all
+    zero. Its length (documents + 1) changes from batch to batch: marked so, torch.compile traces
+    it symbolic from the first batch on (no recompile when the number of documents changes)."""
+    if not isinstance(doc_lens, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                  for n in doc_lens):
+        raise TypeError(f"{owner}(doc_lens) takes a tuple of non-negative ints; got {doc_lens!r}")
+    if sum(doc_lens) == 0:
+        raise ValueError(f"{owner} needs at least one non-empty document")
+    bounds = [0]
+    for n in doc_lens:
+        bounds.append(bounds[-1] + n)
+    return mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32))
+
+
+def documents_of(cu_seqlens, owner: str) -> tuple[int, ...]:
+    """Document lengths from boundaries (a list or an int tensor, 0 = c0 <= ... <= cn = S), checked."""
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    check_boundaries(cu, f"{owner}: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
+    return tuple(b - a for a, b in zip(cu, cu[1:]))
 
 
 def check_window(window, what: str = "window_size") -> tuple[int, int]:

@@ -16,8 +16,7 @@ import torch
 
 from .._groups import GroupLike
 from . import sharding
-from .._compat import mark_length_dynamic
-from .base import Layout, check_boundaries
+from .base import Layout, documents_of, documents_tensor
 from .zigzag import zigzag_runs
 
 
@@ -39,26 +38,13 @@ class DocZigzag(Layout):
     name = "doczigzag"
 
     def __post_init__(self):
-        if not isinstance(self.doc_lens, tuple) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.doc_lens
-        ):
-            raise TypeError(f"DocZigzag(doc_lens) takes a tuple of non-negative ints; got {self.doc_lens!r}")
-        if sum(self.doc_lens) == 0:
-            raise ValueError("DocZigzag needs at least one non-empty document")
-        bounds = [0]
-        for n in self.doc_lens:
-            bounds.append(bounds[-1] + n)
         # A private tensor (not a dataclass field: equality and hashing stay by value).
-        # Its length (documents + 1) changes from batch to batch: marked so, torch.compile traces it
-        # symbolic from the first batch on (no recompile when the number of documents changes).
-        object.__setattr__(self, "cu_seqlens", mark_length_dynamic(torch.tensor(bounds, dtype=torch.int32)))
+        object.__setattr__(self, "cu_seqlens", documents_tensor(self.doc_lens, "DocZigzag"))
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens) -> "DocZigzag":
         """From global boundaries of the packed (unpadded) sequence: a list or an int tensor."""
-        cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-        check_boundaries(cu, "DocZigzag: cu_seqlens must be the boundaries of the packed documents, 0 = c0 <= c1 <= ... <= cn")
-        return DocZigzag(tuple(b - a for a, b in zip(cu, cu[1:])))
+        return DocZigzag(documents_of(cu_seqlens, "DocZigzag"))
 
     def _padded(self, world_size: int) -> list[tuple[int, int, int]]:
         """(padded start, real length, padded length) per non-empty document."""
