@@ -367,13 +367,18 @@ def rank_jobs(point: Point, strategy: str, device, dtype, u: int = 0) -> list[Ra
     jobs = []
     if strategy in ("ring", "allgather"):
         if strategy == "allgather":
-            why = allgather_reason(point.layout, l_len, n)
+            why = allgather_reason(point.layout, l_len, n, one_launch=point.cu_values is not None)
             if why is not None:
                 raise NotApplicable(why)
         for r in range(n):
             problem = R._problem(q, point.args, point.cu_values, _Group(n, r), None)
-            plan, kernel = R._plan_and_kernel(strategy, problem.layout, q, k, k, point.args, problem.row_segments, n,
-                                              r, False)
+            try:
+                plan, kernel = R._plan_and_kernel(strategy, problem.layout, q, k, k, point.args, problem.row_segments,
+                                                  n, r, False)
+            except ValueError as e:
+                if strategy == "allgather":  # the route's refusal (no one-launch varlen kernel for these runs)
+                    raise NotApplicable(str(e)) from None
+                raise
             route = R.Route(_Group(n, r), None, strategy, strategy, None, plan, kernel, {}, None)
             jobs.append(RankJob(route, plan, kernel, tuple(q.shape), tuple(k.shape), True,
                                 plan_work(plan) * point.hq, rank=r))
@@ -741,6 +746,8 @@ def parse_args(argv=None):
     p.add_argument("--cases", nargs="*", default=None, help="case names (default: all; --quick: the issue's rows)")
     p.add_argument("--world-sizes", nargs="*", type=int, default=None, help="default 2 4 8 16 (--quick: 2 4 8)")
     p.add_argument("--strategies", nargs="*", default=None, help="ring allgather ulysses hybrid (default: all)")
+    p.add_argument("--layouts", nargs="*", default=None,
+                   help="only these of each case's layouts (zigzag contiguous doczigzag balanced; default: all)")
     p.add_argument("--heads", nargs="*", default=None,
                    help="'gqa' (32/8), 'mha' (32/32) or Hq/Hkv; default: each case's own (gqa and mha, or gqa)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -838,6 +845,8 @@ def main(argv=None) -> dict:
                 if n < case.min_world:
                     continue
                 for layout_name in case.layouts:
+                    if args.layouts and layout_name not in args.layouts:
+                        continue
                     try:
                         point = make_point(case, layout_name, hq, hkv, args.head_dim, n, args.backend, min_chunk)
                     except Exception as e:  # noqa: BLE001

@@ -45,3 +45,53 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
         full[:, :, perm] = cat
         merged.append(full)
     return tuple(merged)
+
+
+def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None):
+    """As simulated_ring, for the all-gather schedule as one varlen call per rank (documents:
+    dtcp/exec/allgather.py varlen_forward/varlen_backward). Its collectives carry the real data:
+    the all-gather gives every rank's K/V, and each rank's dK/dV is the sum of every rank's share
+    of it, as a reduce-scatter returns it."""
+    from dtcp.exec import allgather as ag
+    from dtcp.plan import VarlenPlan, allgather_plans, varlen_reason
+
+    s = q.shape[2]
+    local_len = s // n
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    mask = AttnMask.make(is_causal, window, None if docs is None else segments_of(docs))
+    plans = [VarlenPlan((p,), mask.band.window) for p in allgather_plans(layout, local_len, n, is_causal, mask)]
+    assert all(p.rows_tiled for p in plans) and varlen_reason([t for p in plans for t in p.tasks],
+                                                               mask.band.window) is None
+    why = kernel.reject_varlen_reason([sl for p in plans for sl in p.seq_lens], mask.band.window)
+    if why is not None:  # the route would not take this kernel for the call
+        raise NotImplementedError(why)
+    shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
+    shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
+    gathered = torch.cat([torch.stack((kr.transpose(1, 2), vr.transpose(1, 2))) for _, kr, vr, _ in shards])
+    shares = []
+
+    def reduce_scatter(send, pg, world_size):  # recorded; each rank's sum is formed once all have sent
+        shares.append(send)
+        return torch.zeros_like(send[: send.shape[0] // world_size])
+
+    saved = ag.all_gather_kv, ag.reduce_scatter_dkv
+    ag.all_gather_kv, ag.reduce_scatter_dkv = (lambda send, pg, world_size: gathered), reduce_scatter
+    try:
+        results = []
+        for r, (qr, kr, vr, dr) in enumerate(shards):
+            out, lse, _ = ag.varlen_forward(qr, kr, vr, None, plans[r], kernel, scale)
+            dq, _, _ = ag.varlen_backward(dr, qr, kr, vr, out, lse, None, plans[r], kernel, scale)
+            results.append([out, lse, dq])
+    finally:
+        ag.all_gather_kv, ag.reduce_scatter_dkv = saved
+    for r, res in enumerate(results):
+        mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, L, Hkv, D) float32
+        res += [mine[0].transpose(1, 2).to(k.dtype), mine[1].transpose(1, 2).to(v.dtype)]
+    perm = layout.permutation(s, n).to(q.device)
+    merged = []
+    for i in range(5):
+        cat = torch.cat([res[i] for res in results], dim=2)
+        full = torch.empty_like(cat)
+        full[:, :, perm] = cat
+        merged.append(full)
+    return tuple(merged)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import dtcp
 from dist_harness import run_ranks
 from dtcp.comm import STATS
+from dtcp.exec.route import CallArgs, _plans_and_kernel
 from dtcp.plan import (
     AttnMask,
     allgather_plans,
@@ -39,14 +40,13 @@ def check_allgather_plans(layout, world_size, seq_len, mask):
     else is, query ranges are disjoint and sorted, and tasks are trimmed."""
     local_len = seq_len // world_size
     plans = allgather_plans(layout, local_len, world_size, False, mask)
-    # the gathered pieces, put in global order, are the sequence in order
+    # the pieces, slices of the ranks' shards, are the sequence in order
     p0 = plans[0]
-    pieces = [layout.runs(seq_len, world_size, p // p0.runs_per_rank)[p % p0.runs_per_rank]
-              for p in p0.global_order]
-    assert [a for a, _ in pieces] == list(range(0, seq_len, p0.piece_len))
-    assert all(b - a == p0.piece_len for a, b in pieces)
+    shards = [layout.global_positions(seq_len, world_size, r).tolist() for r in range(world_size)]
+    assert [g for rank, lo, hi in p0.pieces for g in shards[rank][lo:hi]] == list(range(seq_len))
+    assert all(a[0] != b[0] or a[2] != b[1] for a, b in zip(p0.pieces, p0.pieces[1:]))  # maximal
     for rank, plan in enumerate(plans):
-        assert plan.global_order == p0.global_order
+        assert plan.pieces == p0.pieces
         q_pos = layout.global_positions(seq_len, world_size, rank).tolist()
         count = torch.zeros(local_len, seq_len, dtype=torch.int64)
         end = 0
@@ -90,7 +90,9 @@ def test_allgather_plan_of_causal_zigzag_is_two_calls_per_rank():
     """Zigzag, causal, 4 ranks of 8 tokens (chunks of 4): rank r's low chunk r sees chunks 0..r,
     its high chunk 7-r sees chunks 0..7-r; each is one bottom-right causal call."""
     plans = allgather_plans(dtcp.Zigzag(), 8, 4, True)
-    assert plans[0].global_order == (0, 2, 4, 6, 7, 5, 3, 1)
+    # chunks in sequence order: rank 0's, 1's, 2's, 3's low chunks, then the high ones back down
+    # (rank 3's two chunks touch: one piece)
+    assert plans[0].pieces == ((0, 0, 4), (1, 0, 4), (2, 0, 4), (3, 0, 8), (2, 4, 8), (1, 4, 8), (0, 4, 8))
     for r, plan in enumerate(plans):
         low, high = plan.tasks
         assert (low.q_start, low.q_end, low.k_start, low.k_end, low.lo, low.hi) == (0, 4, 0, 4 * (r + 1), None, 4 * r)
@@ -104,8 +106,17 @@ def test_allgather_refuses_layouts_with_many_runs():
     why = allgather_reason(dtcp.Striped(1), 8, 4)
     assert why is not None and "8 separate runs" in why
     assert "unequal lengths" in allgather_reason(dtcp.DocZigzag((5, 11)), 8, 2)
+    # as one varlen launch (documents, a one-launch kernel), any layout
+    assert allgather_reason(dtcp.DocZigzag((5, 11)), 8, 2, one_launch=True) is None
+    assert allgather_reason(dtcp.Balanced((21, 3, 5, 3), min_chunk=1), 16, 2, one_launch=True) is None
+    # the plans themselves exist for any layout; the route refuses what no kernel call can take
+    check_allgather_plans(dtcp.Striped(2), 2, 16, AttnMask.make(True))
+    check_allgather_plans(dtcp.Balanced((21, 3, 5, 3), min_chunk=1), 2, 32, AttnMask.make(True, (-1, -1), (
+        (0, 21), (21, 24), (24, 29), (29, 32))))
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="Use strategy='ring'"):
-        allgather_plans(dtcp.Striped(2), 8, 2, True)
+        _plans_and_kernel("allgather", dtcp.Striped(2), q, q, q, CallArgs("", "striped", True, 0.5, "auto", -1, -1,
+                                                                           "allgather"), (None,), 2, False)
 
 
 def test_auto_rule():

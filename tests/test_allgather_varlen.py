@@ -270,3 +270,95 @@ def test_per_row_cu_seqlens_errors():
     crossing, neither = run_ranks(2, bad_cu, [0, 5, 20, 32]), run_ranks(2, bad_cu, [0, 5, 24])
     assert all("row start" in m and "16 (row 1)" in m for m in crossing), crossing
     assert all("or B*S = 32" in m and "ends at 24" in m for m in neither), neither
+
+
+# ---- Balanced under the all-gather: one varlen launch for every document piece -----------------------
+
+def balanced_allgather(docs, spec, window=(-1, -1), one_launch=True, compiled=False, steps=1):
+    """Balanced (`spec` "balanced[@k]", the boundaries as cu_seqlens) with strategy="allgather" and
+    the math kernel taken as a one-launch varlen kernel (the route FA4 and flash take on CUDA):
+    errors against one process, the plan the route took, and (compiled) frames and graph breaks.
+    `steps` > 1: a new document mix each step (docs rotated), same packed length."""
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    n = dist.get_world_size()
+    s = sum(docs)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    min_chunk = dtcp.layout_from_spec(spec).min_chunk
+    kernel = KERNELS["math"]
+    saved = type(kernel).varlen_one_launch
+
+    def attn(q, k, v, cu):
+        return dtcp.ring_attention(q, k, v, layout=spec, cu_seqlens=cu, is_causal=True, enable_gqa=True,
+                                   window_size=window, backend="math", strategy="allgather", return_lse=True)
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(attn, backend=counter, fullgraph=True) if compiled else attn
+    errors, plans = [], set()
+    try:
+        type(kernel).varlen_one_launch = one_launch
+        clear_routes()
+        for step in range(steps):
+            mix = docs[step % len(docs):] + docs[:step % len(docs)]
+            cu_list = [0]
+            for length in mix:
+                cu_list.append(cu_list[-1] + length)
+            cu = torch.tensor(cu_list, dtype=torch.int32)
+            layout = dtcp.Balanced.from_cu_seqlens(cu, min_chunk=min_chunk)
+            ref = [t.clone().requires_grad_() for t in (q, k, v)]
+            mask = window_doc_mask(s, is_causal=True, window=window, cu_seqlens=cu_list)
+            out_ref, lse_ref = reference_attention(*ref, mask=mask)
+            out_ref.backward(dout)
+            local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+            out, lse = fn(*local, cu)
+            out.backward(layout.shard(dout, dim=2))
+            errors.append(sharded_errors(layout, (out, lse, *(t.grad for t in local)),
+                                         (out_ref, lse_ref.detach(), *(t.grad for t in ref))))
+            args = CallArgs(dist.group.WORLD.group_name, layout.op_spec(), True, default_scale(8), "math", *window,
+                            "allgather")
+            plans.add(type(route_for(local[0], local[1], local[2], args, tuple(cu_list), "test").plan).__name__)
+    finally:
+        type(kernel).varlen_one_launch = saved
+        clear_routes()
+    worst = {key: max(e[key] for e in errors) for key in errors[0]}
+    return {**worst, "plans": sorted(plans), "frames": counter.frame_count,
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+@pytest.mark.parametrize("n,docs,spec,window", [
+    (2, (21, 3, 5, 3), "balanced@1", (-1, -1)),       # the 21 cut in 4 chunks: zigzag pieces of one document
+    (4, (40, 3, 3, 2, 9, 7), "balanced@1", (5, 0)),   # a window, with the 40 cut in 8 chunks
+    (4, (40, 3, 3, 2, 9, 7), "balanced", (-1, -1)),   # nothing cut: documents split only at rank ends
+    (8, (50, 3, 30, 1, 6, 2, 4), "balanced@2", (-1, -1)),
+], ids=["n2_cut", "n4_window", "n4_whole", "n8"])
+def test_balanced_allgather_one_varlen_launch(n, docs, spec, window):
+    results = run_ranks(n, balanced_allgather, docs, spec, window)
+    assert_exact(results, (docs, spec, window))
+    assert {p for r in results for p in r["plans"]} == {"VarlenPlan"}
+
+
+def test_balanced_allgather_new_documents_every_batch_compiled():
+    """Compiled (aot_eager): a new document mix every step is neither a graph break nor a recompile."""
+    results = run_ranks(2, balanced_allgather, (20, 3, 5, 4), "balanced@1", (-1, -1), True, True, 4, timeout=300)
+    assert_exact(results)
+    for r in results:
+        assert r["graph_breaks"] == 0 and r["frames"] == 1, r
+
+
+def balanced_allgather_error():
+    try:
+        balanced_allgather((21, 3, 5, 3), "balanced@1", one_launch=False)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_balanced_allgather_without_a_one_launch_kernel_is_refused():
+    """Per-task calls would be one kernel call per document piece: refused on every rank, naming the fix."""
+    for msg in run_ranks(2, balanced_allgather_error):
+        assert "strategy='allgather'" in msg and "one varlen launch" in msg and "strategy='ring'" in msg, msg

@@ -51,16 +51,16 @@ def _orders(plan: AllGatherPlan, device: torch.device) -> tuple[Optional[torch.T
     """(to_global, to_rank_major): int64 indices along the sequence with
     global[g] = rank_major[to_global[g]] and rank_major[i] = global[to_rank_major[i]];
     (None, None) when the two orders are the same (contiguous layout)."""
-    key = (plan.global_order, plan.piece_len, device)
+    key = (plan.pieces, plan.local_len, device)
     cached = _ORDERS.get(key)
     if cached is None:
-        p_len = plan.piece_len
-        if plan.global_order == tuple(range(len(plan.global_order))):
+        l_len = plan.local_len
+        to_global = torch.cat([torch.arange(rank * l_len + lo, rank * l_len + hi) for rank, lo, hi in plan.pieces])
+        if torch.equal(to_global, torch.arange(plan.seq_len)):
             cached = (None, None)
         else:
-            tokens = torch.arange(p_len)
-            to_global = torch.cat([p * p_len + tokens for p in plan.global_order])
-            to_rank_major = torch.cat([j * p_len + tokens for j in plan.rank_major_positions])
+            to_rank_major = torch.empty_like(to_global)
+            to_rank_major[to_global] = torch.arange(plan.seq_len)
             cached = (to_global.to(device), to_rank_major.to(device))
         bounded_put(_ORDERS, key, cached)
     return cached
@@ -182,14 +182,10 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     if hit is not None and hit[0] is plan:
         return hit[1]
     l_len = plan.local_len
-    first = plan.rows[0]
-    r_count, p_len = first.runs_per_rank, first.piece_len
     # global position g -> (owning rank, local index there)
-    owner, local = [], []
-    for piece in first.global_order:
-        owner.append(torch.full((p_len,), piece // r_count, dtype=torch.int64))
-        local.append((piece % r_count) * p_len + torch.arange(p_len))
-    owner, local = torch.cat(owner), torch.cat(local)
+    pieces = plan.rows[0].pieces
+    owner = torch.cat([torch.full((hi - lo,), rank, dtype=torch.int64) for rank, lo, hi in pieces])
+    local = torch.cat([torch.arange(lo, hi) for _, lo, hi in pieces])
     cu_q, cu_k, key_rank, key_row = [0], [0], [], []
     for b, row_plan in enumerate(plan.rows):
         for t in row_plan.tasks:

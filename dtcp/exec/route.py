@@ -231,6 +231,11 @@ class _Problem:
     cp_rank: int  # ring rank * U + ulysses rank on a 2-D mesh
     head_group_size: int  # U of a 2-D mesh, else 0
 
+    @property
+    def has_documents(self) -> bool:
+        """Some row has a document (or chunk) mask: the all-gather can then be one varlen launch."""
+        return any(seg is not None for seg in self.row_segments)
+
 
 def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
     """`state`, `head_state`: anything with .size and .rank (GroupStates; explain() passes plain
@@ -308,7 +313,8 @@ def _heads_route(strategy: str, q, k, v, args: CallArgs, problem: _Problem, sink
     else:
         gathered_kv_bytes = (k_h.numel() * k.element_size() + v_h.numel() * v.element_size()) * r
         exchanges = exchange_candidates("auto", inner, u * local_len, r, q.device.type if target is None
-                                        else target.device_type, gathered_kv_bytes, config.allgather_max_bytes)
+                                        else target.device_type, gathered_kv_bytes, config.allgather_max_bytes,
+                                        problem.has_documents)
     error = None
     for exchange in exchanges:
         try:
@@ -331,7 +337,7 @@ def strategy_candidates(requested: str, q, k, v, args: CallArgs, problem: _Probl
     if q.device.type != "cuda" or problem.world_size == 1:
         gathered_kv_bytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) * problem.world_size
         return exchange_candidates("auto", problem.layout, q.shape[2], problem.world_size, q.device.type,
-                                   gathered_kv_bytes, config.allgather_max_bytes)
+                                   gathered_kv_bytes, config.allgather_max_bytes, problem.has_documents)
     return auto_order(q, k, v, args, problem)[0]
 
 
@@ -404,7 +410,8 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                 _, _, plan, kernel = _heads_route("ulysses", q, k, v, args, problem, False, target)
                 plans = [plan]  # every rank's inner plan does the same work
             else:
-                if strategy == "allgather" and allgather_reason(problem.layout, local_len, n) is not None:
+                if strategy == "allgather" and allgather_reason(problem.layout, local_len, n,
+                                                                 problem.has_documents) is not None:
                     continue
                 plans, kernel = _plans_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
                                                   n, False, target)
@@ -515,6 +522,11 @@ def _plans_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n
                 kernel = None
             if kernel is not None and (per_row or kernel.varlen_one_launch):
                 return rank_plans, kernel
+    if exchange == "allgather":
+        # Not one varlen launch: one kernel call per run, which takes only layouts of few equal runs.
+        why = allgather_reason(layout, local_len, n)
+        if why is not None:
+            raise ValueError(f"strategy='allgather': {why}. Use strategy='ring' (or 'auto')")
     kernel = select_kernel(args.backend, q, k, all_tasks, **features)
     if per_row:
         return [tuple(row_plans[seg][rr] for seg in row_segments) for rr in range(n)], kernel

@@ -9,8 +9,9 @@ documents: every (batch row, task) pair becomes one sequence of a single varlen 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 from ..layouts import Layout
@@ -21,9 +22,11 @@ from .mask import AttnMask, Band, Task, band_tasks
 class AllGatherPlan:
     """One rank's all-gather schedule.
 
-    Every rank holds `runs_per_rank` runs of `piece_len` tokens (layout.runs). The gathered
-    buffer holds the pieces rank-major: piece p is run p % R of rank p // R. `global_order[j]` is
-    the piece at global position j (global tokens [j*P, (j+1)*P)).
+    `pieces` is the whole sequence in token order as slices of the ranks' shards: piece
+    (rank, lo, hi) is tokens lo:hi of that rank's shard, and the pieces follow each other in the
+    sequence (maximal: neighbours of one rank that touch in both orders are one piece). Any layout
+    has them; contiguous and zigzag have one or two equal pieces per rank, Balanced and DocZigzag
+    many of different lengths.
 
     `tasks` are kernel calls with query indices local (into this rank's shard) and key indices
     global (into the whole sequence in order); their query ranges are disjoint and sorted, so
@@ -33,9 +36,7 @@ class AllGatherPlan:
     world_size: int
     rank: int
     local_len: int
-    runs_per_rank: int
-    piece_len: int
-    global_order: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int], ...]
     tasks: tuple[Task, ...]
 
     @property
@@ -52,66 +53,87 @@ class AllGatherPlan:
             end = t.q_end
         return end == self.local_len
 
-    @property
-    def rank_major_positions(self) -> tuple[int, ...]:
-        """For each piece p in rank-major order, its global position (inverse of global_order)."""
-        pos = [0] * len(self.global_order)
-        for j, p in enumerate(self.global_order):
-            pos[p] = j
-        return tuple(pos)
+    @cached_property
+    def _piece_starts(self) -> tuple[int, ...]:
+        starts, g = [], 0
+        for _, lo, hi in self.pieces:
+            starts.append(g)
+            g += hi - lo
+        return tuple(starts)
 
     def key_slices(self, k_start: int, k_end: int) -> tuple[tuple[int, int, int], ...]:
         """Global keys [k_start, k_end) as (rank, lo, hi) slices of the ranks' own shards, in
-        global order; neighbouring slices of one rank that touch are merged."""
-        p_len, r_count = self.piece_len, self.runs_per_rank
-        out: list[list[int]] = []
-        for j in range(k_start // p_len, -(-k_end // p_len)):
-            p = self.global_order[j]
-            g0, g1 = max(k_start, j * p_len), min(k_end, (j + 1) * p_len)
-            rank, lo = p // r_count, (p % r_count) * p_len + g0 - j * p_len
-            if out and out[-1][0] == rank and out[-1][2] == lo:
-                out[-1][2] = lo + g1 - g0
-            else:
-                out.append([rank, lo, lo + g1 - g0])
-        return tuple(tuple(x) for x in out)
+        global order (neighbouring slices of one rank that touch are one)."""
+        starts = self._piece_starts
+        out = []
+        for i in range(max(0, bisect.bisect_right(starts, k_start) - 1), len(starts)):
+            g0 = starts[i]
+            if g0 >= k_end:
+                break
+            rank, lo, hi = self.pieces[i]
+            a, b = max(k_start, g0), min(k_end, g0 + hi - lo)
+            if a < b:
+                out.append((rank, lo + a - g0, lo + b - g0))
+        return tuple(out)
 
 
+def sequence_pieces(layout: Layout, local_len: int, world_size: int) -> tuple[tuple[int, int, int], ...]:
+    """The sequence in token order as (rank, lo, hi) slices of the ranks' shards (AllGatherPlan.pieces)."""
+    seq_len = local_len * world_size
+    found = []
+    for r in range(world_size):
+        pos = 0
+        for a, b in layout.runs(seq_len, world_size, r):
+            found.append((a, r, pos, pos + b - a))
+            pos += b - a
+    found.sort()
+    pieces: list[list[int]] = []
+    for _, r, lo, hi in found:
+        if pieces and pieces[-1][0] == r and pieces[-1][2] == lo:
+            pieces[-1][2] = hi
+        else:
+            pieces.append([r, lo, hi])
+    return tuple(tuple(p) for p in pieces)
+
+
+#: runs per rank the all-gather's per-task form serves (one kernel call per run): contiguous, zigzag
 ALLGATHER_MAX_RUNS = 2
 
 
-@lru_cache(maxsize=256)
-def allgather_reason(layout: Layout, local_len: int, world_size: int) -> Optional[str]:
-    """Why the all-gather schedule cannot serve this layout, or None."""
+def allgather_reason(layout: Layout, local_len: int, world_size: int, one_launch: bool = False) -> Optional[str]:
+    """Why the all-gather schedule cannot serve this layout, or None. `one_launch`: every task
+    runs in one varlen kernel call (documents, and a kernel with a one-launch varlen form), which
+    serves any layout; otherwise the schedule makes one kernel call per run and takes layouts
+    whose ranks hold the same few equal runs."""
+    if one_launch:
+        return None
     seq_len = local_len * world_size
     runs = [layout.runs(seq_len, world_size, r) for r in range(world_size)]
     counts = {len(rr) for rr in runs}
     lens = {b - a for rr in runs for a, b in rr}
     if len(counts) != 1 or len(lens) != 1:
-        return f"{layout!r} gives ranks runs of unequal lengths"
+        return (f"{layout!r} gives ranks runs of unequal lengths, which the all-gather serves only as one varlen "
+                "launch: with documents (cu_seqlens) and a kernel that takes them in one launch (fa4, flash)")
     if counts.pop() > ALLGATHER_MAX_RUNS:
         return (f"{layout!r} holds {len(runs[0])} separate runs of tokens per rank here, and the "
                 f"all-gather schedule makes one kernel call per run (it serves at most "
-                f"{ALLGATHER_MAX_RUNS}: the contiguous and zigzag layouts)")
+                f"{ALLGATHER_MAX_RUNS}: the contiguous and zigzag layouts) unless the call has documents and a "
+                "kernel that takes them in one varlen launch (fa4, flash)")
     return None
 
 
 @lru_cache(maxsize=256)
 def allgather_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
                     mask: Optional[AttnMask] = None) -> tuple[AllGatherPlan, ...]:
-    """Every rank's all-gather plan. `mask` (window and documents) replaces `is_causal` when given."""
-    why = allgather_reason(layout, local_len, world_size)
-    if why is not None:
-        raise ValueError(f"strategy='allgather': {why}. Use strategy='ring' (or 'auto')")
+    """Every rank's all-gather plan, for any layout (whether a kernel can run it is
+    `allgather_reason`'s and the route's question). `mask` (window and documents) replaces
+    `is_causal` when given."""
     n, seq_len = world_size, local_len * world_size
     if mask is None:
         mask = AttnMask.make(is_causal)
-    runs = [layout.runs(seq_len, n, r) for r in range(n)]
-    r_count, piece_len = len(runs[0]), runs[0][0][1] - runs[0][0][0]
-    starts = sorted((a, r * r_count + i) for r in range(n) for i, (a, _) in enumerate(runs[r]))
-    global_order = tuple(p for _, p in starts)
+    pieces = sequence_pieces(layout, local_len, n)
     return tuple(
-        AllGatherPlan(n, r, local_len, r_count, piece_len, global_order,
-                      tuple(band_tasks(runs[r], [(0, seq_len)], mask, seq_len)))
+        AllGatherPlan(n, r, local_len, pieces, tuple(band_tasks(layout.runs(seq_len, n, r), [(0, seq_len)], mask, seq_len)))
         for r in range(n)
     )
 

@@ -41,9 +41,10 @@ def check_strategy(value: str, two_dim: bool) -> None:
 
 
 def exchange_candidates(requested: str, layout: Layout, local_len: int, world_size: int, device_type: str,
-                        gathered_kv_bytes: int, allgather_max_bytes: int) -> tuple[str, ...]:
+                        gathered_kv_bytes: int, allgather_max_bytes: int, documents: bool = False) -> tuple[str, ...]:
     """The exchanges to try, best first. An explicit request is the only candidate. `auto` puts the
-    all-gather first on CUDA for one-or-two-run layouts (contiguous, zigzag) when the gathered
+    all-gather first on CUDA for one-or-two-run layouts (contiguous, zigzag; with `documents`, any
+    layout, whose tasks may then be one varlen launch: the route falls back where not) when the gathered
     K/V is at most `allgather_max_bytes` (measured on 2 H200s: ahead of the ring at 16 MiB,
     behind from 32 MiB; docs/performance.md), and keeps the ring as the fallback; elsewhere (and
     always on CPU, where the all-gather was not measured to be faster) only the ring."""
@@ -52,6 +53,6 @@ def exchange_candidates(requested: str, layout: Layout, local_len: int, world_si
     if requested != "auto":
         return (requested,)
     if (device_type == "cuda" and world_size > 1 and gathered_kv_bytes <= allgather_max_bytes
-            and allgather_reason(layout, local_len, world_size) is None):
+            and allgather_reason(layout, local_len, world_size, documents) is None):
         return ("allgather", "ring")
     return ("ring",)

@@ -150,24 +150,50 @@ def merge_rows(tasks) -> list[Task]:
     return coalesce_full(out)
 
 
+def _gives(window: tuple[int, int], t: Task) -> bool:
+    """Does the bottom-right `window` give task t exactly its band on t's shape?"""
+    if min(window) < -1:
+        return False
+    got = Band.from_aligned_window(t.q_len, t.k_len, window).normalized(t.q_len, t.k_len)
+    return got == t.band.normalized(t.q_len, t.k_len)
+
+
 def step_launches(tasks) -> tuple[Launch, ...]:
     """A step's tasks as launches (module docstring): merged rows, one launch per aligned window,
-    split where rows would repeat. Every launch's windows are valid flash-attn windows."""
-    groups: dict = {}
-    for t in merge_rows(tasks):
-        window = t.band.aligned_window(t.q_len, t.k_len)
+    split where rows would repeat. Every launch's windows are valid flash-attn windows.
+
+    A task that more than one window gives exactly (a one-row full task is also bottom-right
+    causal) joins the window that holds the most rows: left to its own, a lone such row splits a
+    step's launch in two and leaves the other with a gap, and a launch whose rows do not tile
+    one range gathers and scatters all of them (measured on H100: a log-normal document mix at
+    N = 2 ran at 0.46 of one GPU for one such row)."""
+    merged = merge_rows(tasks)
+    own = [t.band.aligned_window(t.q_len, t.k_len) for t in merged]
+    for t, window in zip(merged, own):
         if min(window) < -1:  # (a trimmed task always has one; see plan/mask.py band_tasks)
             raise AssertionError(f"dtcp bug: task {t} has no bottom-right window")
-        layers = groups.setdefault(window, [])
-        for layer in layers:  # the first launch of this window whose rows it does not touch
-            if all(t.q_end <= a or b <= t.q_start for a, b, _, _ in layer):
-                layer.append((t.q_start, t.q_end, t.k_start, t.k_end))
+    rows_of: dict = {}
+    for t, window in zip(merged, own):
+        rows_of[window] = rows_of.get(window, 0) + t.q_len
+    by_rows = sorted(rows_of, key=lambda w: (-rows_of[w], w))
+    groups: dict = {}
+    for t, window in zip(merged, own):
+        options = [w for w in by_rows if w == window or _gives(w, t)]
+        entry = (t.q_start, t.q_end, t.k_start, t.k_end)
+        placed = False
+        for w in options:  # the first launch of these windows whose rows it does not touch
+            for layer in groups.get(w, ()):
+                if all(t.q_end <= a or b <= t.q_start for a, b, _, _ in layer):
+                    layer.append(entry)
+                    placed = True
+                    break
+            if placed:
                 break
-        else:
-            layers.append([(t.q_start, t.q_end, t.k_start, t.k_end)])
+        if not placed:
+            groups.setdefault(options[0], []).append([entry])
     launches = []
-    for window, layers in groups.items():
-        for layer in layers:
+    for window in sorted(groups, key=by_rows.index):
+        for layer in groups[window]:
             layer.sort()
             launches.append(Launch(window, tuple((a, b) for a, b, _, _ in layer), tuple((c, d) for _, _, c, d in layer)))
     return tuple(launches)
