@@ -168,6 +168,8 @@ class _Packing:
     seqs: VarlenSeqs
     key_rank: torch.Tensor  # (T_k,) rank holding each packed key
     key_row: torch.Tensor  # (T_k,) its index into that rank's B*L token rows
+    dk_row: torch.Tensor  # (T_k,) its dK row in the flat (N * 2 * B*L, Hkv, D) reduce-scatter buffer
+    dv_row: torch.Tensor  # (T_k,) its dV row there
 
 
 _PACKINGS: dict = {}
@@ -197,7 +199,10 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
     seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), cu[0], cu[1], max_q, max_k)
-    packing = _Packing(seqs, torch.cat(key_rank).to(device), torch.cat(key_row).to(device))
+    key_rank, key_row = torch.cat(key_rank), torch.cat(key_row)
+    dk_row = key_rank * (2 * len(plan.rows) * l_len) + key_row
+    packing = _Packing(seqs, key_rank.to(device), key_row.to(device), dk_row.to(device),
+                       (dk_row + len(plan.rows) * l_len).to(device))
     bounded_put(_PACKINGS, key, (plan, packing))
     return packing
 
@@ -278,9 +283,13 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
     # straight into the rank-major layout the reduce-scatter sends.
     dkv = torch.zeros((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
-    index = (packing.key_rank, packing.key_row)
-    dkv[:, 0].index_put_(index, dk.to(acc), accumulate=True)
-    dkv[:, 1].index_put_(index, dv.to(acc), accumulate=True)
+    # Into the flat contiguous view: index_put_ on a strided view (dkv[:, 0]) clones it and copies
+    # it back, the whole sequence's float32 dK/dV twice each (H100, log-normal documents at N = 8:
+    # 2.6 ms of a 8.9 ms pass, the indexed adds themselves 0.4 ms). accumulate=True is the
+    # deterministic (sorted) CUDA kernel.
+    flat = dkv.view(n * 2 * b * l_len, h, d)
+    flat.index_put_((packing.dk_row,), dk.to(acc), accumulate=True)
+    flat.index_put_((packing.dv_row,), dv.to(acc), accumulate=True)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
     return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
