@@ -113,6 +113,8 @@ def test_allgather_refuses_layouts_with_many_runs():
     check_allgather_plans(dtcp.Striped(2), 2, 16, AttnMask.make(True))
     check_allgather_plans(dtcp.Balanced((21, 3, 5, 3), min_chunk=1), 2, 32, AttnMask.make(True, (-1, -1), (
         (0, 21), (21, 24), (24, 29), (29, 32))))
+    check_allgather_plans(dtcp.Balanced((50, 3, 30, 1, 6, 2, 4), min_chunk=2), 8, 96, AttnMask.make(True, (5, 0), (
+        (0, 50), (50, 53), (53, 83), (83, 84), (84, 90), (90, 92), (92, 96))))
     q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="Use strategy='ring'"):
         _plans_and_kernel("allgather", dtcp.Striped(2), q, q, q, CallArgs("", "striped", True, 0.5, "auto", -1, -1,

@@ -182,25 +182,32 @@ def test_auto_keeps_the_ring_where_it_is_balanced():
 
 
 def test_fa4_launches_are_host_bound_where_the_device_has_little_work():
-    """FA4 launches go through Python (~0.5 ms a forward + backward pair, Machine.launch_host_s):
-    a ring whose rank runs many launches of little work is predicted at its host's time, not its
-    flops'; a kernel without such a figure pays call_overhead_s per call, as before."""
+    """FA4 launches go through Python (~0.5 ms a forward + backward pair, Machine.launch_host_s),
+    and a ring launch adds its step's gathers, merge and dK/dV adds on the host
+    (Machine.ring_launch_host_s): a ring whose rank runs many launches of little work is predicted
+    at its host's time, not its flops'; a kernel without such a figure pays call_overhead_s per
+    call instead of FA4's launch."""
     small = dict(batch=1, q_heads=32, kv_heads=8, head_dim=128, v_head_dim=128, elem_bytes=2, world_size=16,
                  local_len=8192, ring_pairs=4e6, ring_rounds=15, ring_q_block=512, ring_calls=14,
                  kernels=(("ring", "fa4"),))
     host = MACHINE.host_of("fa4")
-    assert host == pytest.approx(dict(MACHINE.launch_host_s)["fa4"])
+    step = MACHINE.ring_launch_host_s
+    assert host == pytest.approx(dict(MACHINE.launch_host_s)["fa4"]) and step > 0
     fa4 = predict("ring", CallShape(**small), MACHINE)
-    assert fa4.kernel_s == pytest.approx(14 * host)  # the host's time, larger than the flops'
+    assert fa4.kernel_s == pytest.approx(14 * (host + step))  # the host's time, larger than the flops'
     other = predict("ring", CallShape(**{**small, "kernels": (("ring", "cudnn"),)}), MACHINE)
-    assert other.kernel_s < fa4.kernel_s / 5
     assert MACHINE.host_of("cudnn") == pytest.approx(3 * MACHINE.call_overhead_s)
+    assert other.kernel_s == pytest.approx(14 * (3 * MACHINE.call_overhead_s + step))
     # forward only: the forward's share of the pair
     fwd = predict("ring", CallShape(**small, backward=False), MACHINE)
-    assert fwd.kernel_s == pytest.approx(14 * host * 0.4)
+    assert fwd.kernel_s == pytest.approx(14 * (host + step) * 0.4)
     # with much work per launch, the device's time wins again
     big = predict("ring", CallShape(**{**small, "ring_pairs": 2e9, "ring_q_block": 8192}), MACHINE)
-    assert big.kernel_s > 14 * host
+    assert big.kernel_s > 14 * (host + step)
+    # the all-gather's one launch each way pays FA4's launch, not a ring step's bookkeeping
+    ag = predict("allgather", CallShape(**{**small, "allgather_pairs": 4e6, "allgather_calls": 1,
+                                           "kernels": (("allgather", "fa4"),)}), MACHINE)
+    assert ag.kernel_s < 2 * host
 
 
 def test_calibrate_measures_a_launch_s_host_time():

@@ -71,6 +71,12 @@ class Machine:
     # rank whose steps hold little work (short documents, 8K tokens per rank) waits on its host:
     # bench_split --profile measured 3.3 ms of device time in a 12 ms pass (issue 23).
     launch_host_s: tuple = (("fa4", 5e-4),)
+    # Host seconds a ring launch's forward + backward spend beyond the kernel's own launch: the
+    # step's bookkeeping, the gathers of its rows and keys, the merge and the dK/dV adds (a few
+    # dozen small tensor operations). Measured on H100 with FA4 (bench_split, long-tailed document
+    # mixes with Balanced at N = 8 and 16, where a rank's ring is host-bound): 1-2 ms a launch pair
+    # in all, FA4's own ~0.5 ms of it. The all-gather and Ulysses make one launch each way.
+    ring_launch_host_s: float = 7e-4
     # The GPU's compute capability: what kernels a prediction on meta tensors assumes (FA4 needs >= 9.0)
     compute_capability: tuple = (9, 0)
 
@@ -183,14 +189,16 @@ def plan_pairs(tasks) -> int:
 
 
 def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: Optional[str] = None,
-              backward: bool = True) -> float:
-    """Kernel time of `flops` in calls of `rows` query rows x heads x batch each."""
+              backward: bool = True, extra_host_s: float = 0.0) -> float:
+    """Kernel time of `flops` in calls of `rows` query rows x heads x batch each; `extra_host_s`:
+    host seconds per call (forward + backward) beyond the kernel's launch (a ring step's)."""
     peak = machine.rate_of(kernel)
     rate = peak * rows / (rows + machine.kernel_half_rows) if rows > 0 else 1.0
     device = flops / rate + calls * machine.launch_s * (2 if backward else 1)
     # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
     # is the larger (many small calls: documents, short sequences; FA4's Python launches).
-    return max(device, calls * machine.host_of(kernel, backward))
+    host = machine.host_of(kernel, backward) + extra_host_s * (1.0 if backward else 0.4)
+    return max(device, calls * host)
 
 
 def _flops(shape: CallShape, heads: float, pairs: float) -> float:
@@ -202,7 +210,7 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
           calls: int, q_block: int, kernel_name: Optional[str] = None) -> tuple[float, float, float]:
     """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
-                       shape.backward)
+                       shape.backward, machine.ring_launch_host_s)
     kv = shape.batch * kv_heads * kv_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
