@@ -37,14 +37,7 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
         return out, lse, dq, dk, dv
 
     results = SimulatedRing(n).run(rank_fn)
-    perm = layout.permutation(s, n).to(q.device)
-    merged = []
-    for i in range(5):
-        cat = torch.cat([res[i] for res in results], dim=2)
-        full = torch.empty_like(cat)
-        full[:, :, perm] = cat
-        merged.append(full)
-    return tuple(merged)
+    return in_token_order(results, layout, n)
 
 
 def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None):
@@ -87,7 +80,13 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
     for r, res in enumerate(results):
         mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, L, Hkv, D) float32
         res += [mine[0].transpose(1, 2).to(k.dtype), mine[1].transpose(1, 2).to(v.dtype)]
-    perm = layout.permutation(s, n).to(q.device)
+    return in_token_order(results, layout, n)
+
+
+def in_token_order(results, layout, n):
+    """Each rank's (out, lse, dq, dk, dv) shards, (1, H, L, ...) -> the whole (1, H, S, ...) in token order."""
+    s = results[0][0].shape[2] * n
+    perm = layout.permutation(s, n).to(results[0][0].device)
     merged = []
     for i in range(5):
         cat = torch.cat([res[i] for res in results], dim=2)

@@ -28,15 +28,20 @@ def test_simulated_ranks_are_exact(n, layout, docs, window, one_launch, monkeypa
     monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", bool(one_launch))
     if one_launch == "index":
         monkeypatch.setattr(dtcp.exec.fused, "MAX_RANGES", 0)
+    assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
+
+
+def assert_simulation_exact(schedule, n, layout, docs, window, heads, seed):
+    """`schedule` (tests/sim_ranks.py) on float64 inputs equals single-process attention to 1e-10."""
     s = sum(docs) if docs else 8 * n
-    g = torch.Generator().manual_seed(5)
-    q, k, v, dout = (torch.randn(1, 4, s, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in heads)
     mask = window_doc_mask(s, is_causal=True, window=window, cu_seqlens=None if docs is None else
                            [0] + [sum(docs[:i + 1]) for i in range(len(docs))])
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref, lse_ref = reference_attention(*ref, mask=mask)
     out_ref.backward(dout)
-    got = simulated_ring(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs)
+    got = schedule(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, (out_ref, lse_ref, *(t.grad for t in ref))):
         assert exact_err(a, b) < 1e-10, name
 
@@ -45,13 +50,4 @@ def test_simulated_ranks_are_exact(n, layout, docs, window, one_launch, monkeypa
 def test_simulated_allgather_is_exact(n, layout, docs, window):
     """The one-process all-gather (one varlen call per rank, real gathered K/V, dK/dV summed over
     the ranks' shares) equals single-process attention: the one-GPU test measures kernels only."""
-    s = sum(docs)
-    g = torch.Generator().manual_seed(6)
-    q, k, v, dout = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
-    mask = window_doc_mask(s, is_causal=True, window=window, cu_seqlens=[0] + [sum(docs[:i + 1]) for i in range(len(docs))])
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref, lse_ref = reference_attention(*ref, mask=mask)
-    out_ref.backward(dout)
-    got = simulated_allgather(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, (out_ref, lse_ref, *(t.grad for t in ref))):
-        assert exact_err(a, b) < 1e-10, name
+    assert_simulation_exact(simulated_allgather, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
