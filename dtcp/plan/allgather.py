@@ -100,6 +100,7 @@ def sequence_pieces(layout: Layout, local_len: int, world_size: int) -> tuple[tu
 ALLGATHER_MAX_RUNS = 2
 
 
+@lru_cache(maxsize=256)
 def allgather_reason(layout: Layout, local_len: int, world_size: int, one_launch: bool = False) -> Optional[str]:
     """Why the all-gather schedule cannot serve this layout, or None. `one_launch`: every task
     runs in one varlen kernel call (documents, and a kernel with a one-launch varlen form), which
