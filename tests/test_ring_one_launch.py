@@ -104,6 +104,49 @@ def test_a_one_row_document_piece_joins_the_causal_launch():
     assert diagonal.q_span == (0, 8) and diagonal.k_span == (0, 8)
 
 
+def test_stacked_tasks_over_the_same_first_key_merge_exactly():
+    """merge_stacked on random pairs: when it joins, the joined task computes exactly the pairs of
+    both; a cut document's two chunks side by side (causal over the first, bottom-right causal
+    over both) are one causal sequence."""
+    from dtcp.plan import Task
+    from dtcp.plan.fuse import merge_stacked
+    (joined,) = merge_rows([Task(10, 14, 10, 14, None, 0), Task(14, 20, 10, 20, None, 4)])
+    assert (joined.q_start, joined.q_end, joined.k_start, joined.k_end) == (10, 20, 10, 20) and joined.is_square_causal
+    # a row of the lower block that sees a key the upper block's rows cannot reach: no merge
+    assert merge_stacked(Task(0, 4, 0, 4, None, 0), Task(4, 6, 0, 8)) is None
+    rng = random.Random(5)
+    bound = lambda: rng.choice([None, rng.randint(-6, 6)])  # noqa: E731
+    joins = 0
+    for _ in range(8000):
+        qa, qb, ka, kb = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 7), rng.randint(0, 5)
+        a = Task(0, qa, 0, ka, bound(), bound())
+        b = Task(qa, qa + qb, 0, ka + kb, bound(), bound())
+        if not _pairs_of_tasks([a]) or not _pairs_of_tasks([b]):
+            continue
+        m = merge_stacked(a, b)
+        if m is not None:
+            joins += 1
+            assert _pairs_of_tasks([m]) == _pairs_of_tasks([a, b]), (a, b, m)
+            assert min(m.band.aligned_window(m.q_len, m.k_len)) >= -1
+    assert joins > 100
+
+
+def test_balanced_local_step_takes_the_keys_as_one_view():
+    """Balanced over long-tailed documents: every rank's local step is one launch whose rows and
+    keys both tile the shard (a cut document's chunks held side by side join), so the launch
+    gathers nothing; before the stacked merge its keys came in one range per document."""
+    docs = (700, 90, 33, 2000, 64, 5, 300, 1200, 17, 640, 77, 3000, 81, 1)
+    docs = docs[:-1] + (docs[-1] + (-sum(docs)) % 8,)
+    n = 4
+    mask = AttnMask.make(True, (-1, -1), segments_of(docs))
+    cut = 0
+    for plan in ring_plans(dtcp.Balanced(docs, min_chunk=64), sum(docs) // n, n, True, mask):
+        (local,) = step_launches(plan.steps[0].tasks)
+        assert local.q_span == (0, sum(docs) // n) and local.k_span == local.q_span, (plan.rank, local)
+        cut += len(plan.steps[0].tasks) - len(local.q_ranges)
+    assert cut > 0  # some documents were cut and their chunks joined
+
+
 def test_random_tasks_of_random_plans_fuse_exactly():
     rng = random.Random(3)
     for _ in range(40):

@@ -9,7 +9,11 @@ has one bottom-right aligned window for all its sequences. So:
    fully visible run of earlier keys followed by a causal block is one bottom-right causal
    sequence (query i sees every earlier key and the diagonal). Under a causal document mask
    every query run then has one sequence per step: bottom-right causal at the local step, full
-   at the others.
+   at the others. Then tasks stacked on adjacent query rows over the same first key merge when
+   one band gives both: a document cut in two chunks that a rank holds side by side (Balanced,
+   DocZigzag) is a causal block over the first chunk above a bottom-right causal block over
+   both, that is one causal sequence over both. The local step's launch then takes the rank's
+   keys as one view, with no gather of K/V and no scattered dK/dV adds.
 2. Sequences group by their aligned window; each group is one launch, split further only where
    two sequences would share query rows (a launch's rows are disjoint, so its output lands on
    the accumulators without a merge of its own).
@@ -115,6 +119,68 @@ def merge_adjacent(a: Task, b: Task):
     return Task(a.q_start, a.q_end, a.k_start, b.k_end, band.lo, band.hi)
 
 
+def _visible_interval(i: int, band: Band, k_len: int) -> tuple[int, int]:
+    """Row i's visible keys [first, last] (clipped to [0, k_len - 1]; first > last: none)."""
+    first = 0 if band.lo is None else max(0, i + band.lo)
+    last = k_len - 1 if band.hi is None else min(k_len - 1, i + band.hi)
+    return first, last
+
+
+def _kinks(band: Band, k_len: int) -> list[int]:
+    """Rows where _visible_interval changes slope (each bound is linear in i on either side)."""
+    out = []
+    if band.lo is not None:
+        out.append(-band.lo)
+    if band.hi is not None:
+        out.append(k_len - 1 - band.hi)
+    return out
+
+
+def merge_stacked(a: Task, b: Task):
+    """The one task equal to a and b together when b's rows follow a's and both start at the
+    same key (a's keys a prefix of b's), or None.
+
+    The joined task is b's band on rows [a.q_start, b.q_end) x keys [b.k_start, b.k_end), its
+    offsets shifted by a's rows: b's rows see in it exactly what they saw. a's rows must too:
+    both visible-key bounds are piecewise linear in the row with slopes 0 or 1, so they agree
+    on every row of a when they agree at a's first and last rows and at every kink."""
+    if a.q_end != b.q_start or a.k_start != b.k_start or a.k_end > b.k_end:
+        return None
+    shift = a.q_len
+    band = Band(None if b.lo is None else b.lo - shift, None if b.hi is None else b.hi - shift)
+    joined = Task(a.q_start, b.q_end, b.k_start, b.k_end, band.lo, band.hi)
+    band = joined.band.normalized(joined.q_len, joined.k_len)
+    joined = Task(joined.q_start, joined.q_end, joined.k_start, joined.k_end, band.lo, band.hi)
+    if min(joined.band.aligned_window(joined.q_len, joined.k_len)) < -1:
+        return None  # no bottom-right window gives it: keep two sequences
+    rows = {0, a.q_len - 1, *_kinks(a.band, a.k_len), *_kinks(joined.band, joined.k_len)}
+    for i in rows:
+        if 0 <= i < a.q_len and _visible_interval(i, a.band, a.k_len) != _visible_interval(i, joined.band, joined.k_len):
+            return None
+    return joined
+
+
+def stack_rows(tasks) -> list[Task]:
+    """Merge tasks stacked on adjacent query rows (merge_stacked), repeatedly, top to bottom."""
+    by_start: dict = {}
+    for t in tasks:
+        by_start.setdefault((t.q_start, t.k_start), []).append(t)
+    out = []
+    for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
+        if t not in by_start.get((t.q_start, t.k_start), ()):
+            continue  # already joined into a task above it
+        by_start[(t.q_start, t.k_start)].remove(t)
+        while True:
+            below = by_start.get((t.q_end, t.k_start), ())
+            joined = next(((b, m) for b in below for m in (merge_stacked(t, b),) if m is not None), None)
+            if joined is None:
+                break
+            below.remove(joined[0])
+            t = joined[1]
+        out.append(t)
+    return sorted(out, key=lambda t: (t.q_start, t.k_start))
+
+
 def _split_full_rows(tasks) -> list[Task]:
     """Full tasks cut at the other tasks' row boundaries (the planner may have joined the rows of
     two query runs under one full task; cut, each piece can join its run's diagonal)."""
@@ -132,7 +198,8 @@ def _split_full_rows(tasks) -> list[Task]:
 
 def merge_rows(tasks) -> list[Task]:
     """Merge each query range's tasks whose keys are adjacent and whose union is one band; full
-    tasks left over join again where they tile a larger rectangle."""
+    tasks left over join again where they tile a larger rectangle; then tasks stacked on
+    adjacent rows over the same first key where one band gives both (stack_rows)."""
     by_rows: dict = {}
     for t in _split_full_rows(tasks):
         by_rows.setdefault((t.q_start, t.q_end), []).append(t)
@@ -147,7 +214,7 @@ def merge_rows(tasks) -> list[Task]:
             else:
                 merged[-1] = joined
         out += merged
-    return coalesce_full(out)
+    return stack_rows(coalesce_full(out))
 
 
 def _gives(window: tuple[int, int], t: Task) -> bool:
