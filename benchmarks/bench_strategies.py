@@ -10,7 +10,11 @@ within 5% of the best measured strategy, the worst ratio pick / best, and the pr
 (median and worst, |predicted - measured| / measured). bf16, B=1, D=128, backend="auto".
 
 Masks: "causal" (zigzag layout), "window" (causal window (4096, 0), contiguous layout: the ring runs
-only the rounds it needs), "docs" (causal documents with long-tailed lengths, fixed seed, zigzag).
+only the rounds it needs), "docs" (causal documents with long-tailed lengths, fixed seed, zigzag),
+and the packed batches layout="auto" shards with `Balanced`: "docs-balanced" (the same documents),
+"pareto" and "lognormal" (bench_split.py's long-tailed mixes, seed 0: Pareto lengths with a 64-token
+floor, and a log-normal fitted to English Wikipedia's token lengths). `--masks`, `--lengths` and
+`--heads` narrow the grid (e.g. `--masks docs-balanced pareto lognormal --lengths 32768 131072`).
 """
 
 from __future__ import annotations
@@ -59,17 +63,35 @@ def measure(fn, iters: int) -> float:
     return t.item()
 
 
+MASKS = ("causal", "window", "docs", "docs-balanced", "pareto", "lognormal")
+BALANCED = ("docs-balanced", "pareto", "lognormal")  # packed documents on the Balanced layout
+
+
+def documents_of(mask: str, s: int) -> tuple[int, ...]:
+    if mask in ("docs", "docs-balanced"):
+        return tuple(doc_lengths(s))
+    import bench_split  # its long-tailed mixes, at this sequence length
+
+    draw = bench_split.pareto_docs if mask == "pareto" else bench_split.lognormal_docs
+    return draw(s, 0, 1.0)
+
+
 def point(s, hq, hkv, mask, device, iters, n, rank):
-    layout = dtcp.Contiguous() if mask == "window" else dtcp.Zigzag()
-    kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
+    kwargs = dict(is_causal=True, enable_gqa=hq != hkv)
     if mask == "window":
-        kwargs["window_size"] = (4096, 0)
-    if mask == "docs":
-        lens = doc_lengths(s)
+        kwargs.update(layout=dtcp.Contiguous(), window_size=(4096, 0))
+    elif mask == "causal":
+        kwargs.update(layout=dtcp.Zigzag())
+    else:
+        lens = documents_of(mask, s)
         cu = [0]
         for x in lens:
             cu.append(cu[-1] + x)
-        kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)  # CPU boundaries: no device sync
+        if mask in BALANCED:  # what layout="auto" gives a packed row: the documents travel with the layout
+            kwargs.update(layout=dtcp.Balanced(lens))
+        else:
+            kwargs.update(layout=dtcp.Zigzag(), cu_seqlens=torch.tensor(cu, dtype=torch.int32))  # CPU: no sync
+    layout = kwargs["layout"]
     local = s // n
     g = torch.Generator(device=device).manual_seed(s + hq)
     q = torch.randn(1, hq, local, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -107,6 +129,9 @@ def main():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--no-calibrate", action="store_true", help="use the shipped constants")
+    p.add_argument("--masks", nargs="+", choices=MASKS, default=None, help="default: causal window docs")
+    p.add_argument("--lengths", nargs="+", type=int, default=None)
+    p.add_argument("--heads", nargs="+", default=None, help="q/kv pairs, e.g. 32/8 32/32")
     args = p.parse_args()
     device = init_distributed("cuda")
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -114,10 +139,13 @@ def main():
         machine = dtcp.calibrate()
         if rank == 0:
             print(f"calibrated: {machine}", flush=True)
-    lengths = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    lengths = args.lengths or ([8192, 32768] if args.quick else [8192, 32768, 131072])
     heads = [(32, 8)] if args.quick else [(32, 32), (32, 8), (8, 8), (64, 8)]
-    grid = [(s, h, m) for s in lengths for h in heads for m in ("causal", "window", "docs")]
-    if not args.quick:
+    if args.heads:
+        heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    masks = args.masks or ["causal", "window", "docs"]
+    grid = [(s, h, m) for s in lengths for h in heads for m in masks]
+    if not args.quick and args.lengths is None and "window" in masks:
         grid += [(524288, h, "window") for h in heads]
     rows = []
     for s, (hq, hkv), mask in grid:
