@@ -51,3 +51,31 @@ def test_simulated_allgather_is_exact(n, layout, docs, window):
     """The one-process all-gather (one varlen call per rank, real gathered K/V, dK/dV summed over
     the ranks' shares) equals single-process attention: the one-GPU test measures kernels only."""
     assert_simulation_exact(simulated_allgather, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
+
+
+def test_fused_accumulators_start_as_the_local_launch(monkeypatch):
+    """Where the local step's first launch covers every row (and key), the fused ring's float32
+    accumulators start as its copy instead of zeros plus a merge; the Balanced cases above take
+    that path on every rank (so test_simulated_ranks_are_exact checks it), with dQ and own dK/dV
+    alike, and the copy is counted: no merge and no add for that launch."""
+    from dtcp.exec import fused as F
+    from dtcp.plan import AttnMask, ring_plans
+    from sim_ranks import segments_of
+
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", True)
+    for n, layout, docs, window in CASES:
+        if not isinstance(layout, dtcp.Balanced):
+            continue
+        mask = AttnMask.make(True, window, segments_of(docs))
+        for plan in ring_plans(layout, sum(docs) // n, n, True, mask):
+            steps = F.fused_steps(plan, KERNELS["math"], torch.device("cpu"))
+            assert steps is not None and F.fills_rows(steps[0], sum(docs) // n), (n, plan.rank)
+            assert F.fills_keys(steps[0], sum(docs) // n), (n, plan.rank)
+    merges = []
+    monkeypatch.setattr(dtcp.exec.ring, "merge_launch_", lambda *a: merges.append(a[3]) or F.merge_launch_(*a))
+    n, layout, docs, window = CASES[1]
+    assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
+    launches = sum(len(s) for p in ring_plans(layout, sum(docs) // n, n, True,
+                                              AttnMask.make(True, window, segments_of(docs)))
+                   for s in F.fused_steps(p, KERNELS["math"], torch.device("cpu")))
+    assert len(merges) == launches - n  # every launch merges but each rank's first

@@ -81,6 +81,17 @@ def _indexed(launch: Launch, device) -> LaunchIndex:
     return LaunchIndex(launch, index(launch.q_ranges, launch.q_span), index(launch.k_ranges, launch.k_span), seqs)
 
 
+def fills_rows(launches, local_len: int) -> bool:
+    """Does a step's first launch cover every query row of the rank, in order (its output then
+    stands for the whole accumulator)?"""
+    return bool(launches) and launches[0].launch.q_span == (0, local_len)
+
+
+def fills_keys(launches, kv_len: int) -> bool:
+    """Does a step's first launch take every key of the block, in order, each once?"""
+    return bool(launches) and launches[0].launch.k_span == (0, kv_len)
+
+
 def rows(x: torch.Tensor, b: int) -> torch.Tensor:
     """Batch row b of a (B, H, L, D) tensor as (L, H, D), a view."""
     return x[b].transpose(0, 1)

@@ -31,7 +31,8 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from .fused import add_rows_, fused_steps, launch_backward, launch_forward, merge_launch_, rows
+from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, launch_backward, launch_forward,
+                    merge_launch_, rows)
 from .merge import apply_sink_, merge_into_
 
 
@@ -85,7 +86,9 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # into: under a window of W < L tokens the first W rows, not all L (at 64K tokens and 32
     # heads that is GiBs less memory traffic).
     # One varlen launch per step (and window) where the kernel has one (dtcp/exec/fused.py); its
-    # results merge into float32 accumulators over every row.
+    # results merge into float32 accumulators over every row. Where the local step's first launch
+    # covers every row, its result *is* the running result: the accumulators start as its copy
+    # (no zero fill and no merge: 6 bytes an element moved instead of 14; the same values).
     fused = fused_steps(plan, kernel, q.device)
     keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
@@ -104,12 +107,19 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
         if fused is not None:
+            fill = out_acc is None and fills_rows(fused[t], local_len)
             if out_acc is None:
-                out_acc, lse_acc = torch.zeros(out_shape, dtype=acc, device=q.device), no_keys_lse()
+                out_acc = torch.empty(out_shape, dtype=acc, device=q.device) if fill else \
+                    torch.zeros(out_shape, dtype=acc, device=q.device)
+                lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device) if fill else no_keys_lse()
             for b in range(q.shape[0]):
-                for li in fused[t]:
+                for i, li in enumerate(fused[t]):
                     o, l = launch_forward(kernel, rows(q, b), rows(cur[0], b), rows(cur[1], b), li, scale, softcap)
-                    merge_launch_(rows(out_acc, b), lse_acc[b], li, o, l)
+                    if fill and i == 0:
+                        rows(out_acc, b).copy_(o)
+                        lse_acc[b].copy_(l)
+                    else:
+                        merge_launch_(rows(out_acc, b), lse_acc[b], li, o, l)
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
@@ -181,9 +191,15 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             grads = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     else:
         dq_rows, home_keys = (0, local_len), (0, local_len)
-        dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # As in the forward: where the local step's first launch covers every row (every key), the
+        # float32 dQ (own dK/dV) accumulators start as a copy of its gradients instead of zeros.
+        fill_q = fused is not None and fills_rows(fused[0], local_len)
+        fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
+        new_acc = lambda like, fill: torch.empty(like.shape, dtype=acc, device=like.device) if fill else \
+            torch.zeros(like.shape, dtype=acc, device=like.device)  # noqa: E731
+        dq_acc = new_acc(q, fill_q)
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
-        own_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        own_dkv = (new_acc(k, fill_kv), new_acc(v, fill_kv))
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
     dkv_works = None
 
@@ -199,11 +215,19 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         block_grads = []  # this step's dK/dV for the span held: (batch row, keys, index, dk, dv) per call
         if fused is not None:
             for b in range(q.shape[0]):
-                for li in fused[t]:
+                for i, li in enumerate(fused[t]):
                     dq_t, dk_t, dv_t = launch_backward(kernel, rows(dout, b), rows(q, b), rows(cur[0], b),
                                                        rows(cur[1], b), rows(out, b), lse[b], li, scale, softcap)
-                    add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
-                    block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t, li.launch.k_ranges))
+                    first = t == 0 and i == 0
+                    if first and fill_q:
+                        rows(dq_acc, b).copy_(dq_t)
+                    else:
+                        add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
+                    if first and fill_kv:
+                        rows(own_dkv[0], b).copy_(dk_t)
+                        rows(own_dkv[1], b).copy_(dv_t)
+                    else:
+                        block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t, li.launch.k_ranges))
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)

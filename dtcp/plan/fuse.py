@@ -146,16 +146,28 @@ def merge_stacked(a: Task, b: Task):
     on every row of a when they agree at a's first and last rows and at every kink."""
     if a.q_end != b.q_start or a.k_start != b.k_start or a.k_end > b.k_end:
         return None
+    # b's band as given, or with an unbounded side written as the tightest bound that keeps b's
+    # rows as they are (a one-row full block is also causal: it sees up to its last key)
+    his = {b.hi, b.k_len - 1 if b.hi is None else b.hi}
+    los = {b.lo, -(b.q_len - 1) if b.lo is None else b.lo}
+    for lo in sorted(los, key=lambda x: x is not None):
+        for hi in sorted(his, key=lambda x: x is not None):
+            joined = _stacked(a, b, lo, hi)
+            if joined is not None:
+                return joined
+    return None
+
+
+def _stacked(a: Task, b: Task, lo, hi):
     shift = a.q_len
-    band = Band(None if b.lo is None else b.lo - shift, None if b.hi is None else b.hi - shift)
+    band = Band(None if lo is None else lo - shift, None if hi is None else hi - shift)
+    band = band.normalized(a.q_len + b.q_len, b.k_len)
     joined = Task(a.q_start, b.q_end, b.k_start, b.k_end, band.lo, band.hi)
-    band = joined.band.normalized(joined.q_len, joined.k_len)
-    joined = Task(joined.q_start, joined.q_end, joined.k_start, joined.k_end, band.lo, band.hi)
-    if min(joined.band.aligned_window(joined.q_len, joined.k_len)) < -1:
+    if min(band.aligned_window(joined.q_len, joined.k_len)) < -1:
         return None  # no bottom-right window gives it: keep two sequences
-    rows = {0, a.q_len - 1, *_kinks(a.band, a.k_len), *_kinks(joined.band, joined.k_len)}
+    rows = {0, a.q_len - 1, *_kinks(a.band, a.k_len), *_kinks(band, joined.k_len)}
     for i in rows:
-        if 0 <= i < a.q_len and _visible_interval(i, a.band, a.k_len) != _visible_interval(i, joined.band, joined.k_len):
+        if 0 <= i < a.q_len and _visible_interval(i, a.band, a.k_len) != _visible_interval(i, band, joined.k_len):
             return None
     return joined
 
