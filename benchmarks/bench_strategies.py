@@ -1,6 +1,7 @@
 """Every strategy on a grid, measured, beside the cost model's prediction and auto's pick.
 
     torchrun --nproc-per-node 2 benchmarks/bench_strategies.py [--quick] [--json out.json]
+    python benchmarks/bench_strategies.py --replay out.json    # this checkout's cost model, same measurements
 
 Per point (sequence length S, heads q/kv, mask): forward + backward time of "ring", "allgather"
 (where the layout allows) and "ulysses" (where the heads allow), median of --iters after a
@@ -123,7 +124,71 @@ def point(s, hq, hkv, mask, device, iters, n, rank):
     return {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick}
 
 
+def replay(path: str) -> list[dict]:
+    """Re-judge a measured run (--json) with this checkout's cost model, no GPU: each point's
+    call rebuilt on meta tensors (the run's world size, rank 0), predicted with the run's
+    calibrated constants where its JSON holds them (else the shipped ones), auto's new pick
+    against the same measured times."""
+    from dtcp.exec import route
+    from dtcp.kernels import default_scale
+    from dtcp.plan.cost import Machine
+
+    with open(path) as f:
+        run = json.load(f)
+    n = run["world_size"]
+    machine = run.get("machine", "None")
+    machine = eval(machine, {"Machine": Machine}) if machine.startswith("Machine(") else None  # noqa: S307 - our own repr
+    rows = []
+    with dtcp.config.override(cost_machine=machine):
+        for row in run["rows"]:
+            s, (hq, hkv), mask = row["S"], (int(x) for x in row["heads"].split("/")), row["mask"]
+            q = torch.empty(1, hq, s // n, 128, dtype=torch.bfloat16, device="meta")
+            k = torch.empty(1, hkv, s // n, 128, dtype=torch.bfloat16, device="meta")
+            window, cu = (-1, 0), None
+            if mask == "window":
+                spec, window = "contiguous", (4096, 0)
+            elif mask == "causal":
+                spec = "zigzag"
+            else:
+                lens = documents_of(mask, s)
+                spec = dtcp.Balanced(lens).op_spec() if mask in BALANCED else "zigzag"
+                cu = tuple([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            args = route.CallArgs("", spec, True, default_scale(128), "auto", window[0], window[1], "auto")
+            pick, preds = route.explain(q, k, k, args, cu, n, 0)
+            rows.append(dict(row, pick=pick, predicted={p.strategy: p.total_s for p in preds}))
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    ratios, errors = [], []
+    for row in rows:
+        best = min(row["measured"].values())
+        ratios.append(row["measured"].get(row["pick"], float("inf")) / best)
+        errors += [abs(row["predicted"][k] - t) / t for k, t in row["measured"].items() if k in row["predicted"]]
+    within = sum(r <= 1.05 for r in ratios)
+    return (f"auto within 5% of the best at {within} of {len(ratios)} points ({within / len(ratios):.0%}); worst "
+            f"pick/best {max(ratios):.3f}; prediction error median {statistics.median(errors):.0%}, worst {max(errors):.0%}")
+
+
+def print_row(row: dict) -> None:
+    best = min(row["measured"], key=row["measured"].get)
+    cells = "  ".join(f"{k} {row['measured'][k] * 1e3:8.2f} ms (model {row['predicted'][k] * 1e3:8.2f})"
+                      for k in STRATEGIES if k in row["measured"])
+    ratio = row["measured"].get(row["pick"], float("inf")) / row["measured"][best]
+    hq, hkv = row["heads"].split("/")
+    print(f"S={row['S']:>6} heads {hq:>2}/{hkv:<2} {row['mask']:<13} | {cells} | best {best:<9} auto {row['pick']:<9} "
+          f"x{ratio:.3f}", flush=True)
+
+
 def main():
+    if "--replay" in sys.argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--replay", required=True, help="a --json file of a measured run")
+        rows = replay(p.parse_args().replay)
+        for row in rows:
+            print_row(row)
+        print("\n(replayed with this checkout's cost model) " + summary(rows))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a small grid (smoke test)")
     p.add_argument("--iters", type=int, default=3)
@@ -152,21 +217,9 @@ def main():
         row = point(s, hq, hkv, mask, device, args.iters, n, rank)
         rows.append(row)
         if rank == 0:
-            best = min(row["measured"], key=row["measured"].get)
-            cells = "  ".join(f"{k} {row['measured'][k] * 1e3:8.2f} ms (model {row['predicted'][k] * 1e3:8.2f})"
-                              for k in STRATEGIES if k in row["measured"])
-            ratio = row["measured"].get(row["pick"], float("inf")) / row["measured"][best]
-            print(f"S={s:>6} heads {hq:>2}/{hkv:<2} {mask:<6} | {cells} | best {best:<9} auto {row['pick']:<9} "
-                  f"x{ratio:.3f}", flush=True)
+            print_row(row)
     if rank == 0:
-        ratios, errors = [], []
-        for row in rows:
-            best = min(row["measured"].values())
-            ratios.append(row["measured"].get(row["pick"], float("inf")) / best)
-            errors += [abs(row["predicted"][k] - t) / t for k, t in row["measured"].items()]
-        within = sum(r <= 1.05 for r in ratios) / len(ratios)
-        print(f"\nauto within 5% of the best at {within:.0%} of {len(ratios)} points; worst pick/best "
-              f"{max(ratios):.3f}; prediction error median {statistics.median(errors):.0%}, worst {max(errors):.0%}")
+        print("\n" + summary(rows))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows}, f, indent=1)

@@ -159,16 +159,21 @@ def test_meta_tensors_are_predicted_with_cuda_kernels():
 def test_auto_takes_ulysses_over_an_unbalanced_ring(docs, n):
     """A long-tailed batch on zigzag: the ring (and the all-gather) wait for the busiest rank,
     Ulysses is balanced by construction, so auto takes Ulysses and the ring is far behind. On
-    Balanced the ring does 1/N of the work per rank and is competitive (within 10% of the best)."""
+    Balanced the ring does 1/N of the work per rank: its predicted time drops by a quarter or more
+    (0.71x at N = 2 to 0.59x at N = 8 here). It is not predicted ahead of Ulysses at N = 8: its
+    fused steps' float32 accumulators cost memory traffic the kernels' flops do not show (measured
+    on one H100: Balanced's ring computes at 0.63 of one GPU on a Pareto mix at N = 8, Ulysses at 0.96)."""
     q, k, v, args, cu = meta_call(n, "zigzag", docs)
     choice, preds = route.explain(q, k, v, args, cu, n, 0)
-    total = {p.strategy: p.total_s for p in preds}
+    zigzag = {p.strategy: p.total_s for p in preds}
     assert choice == "ulysses" and preds[0].strategy == "ulysses", preds
-    assert total["ring"] > 1.3 * total["ulysses"], total  # 1.35x (N = 2) to 1.8x (N = 8) here
+    assert zigzag["ring"] > 1.3 * zigzag["ulysses"], zigzag  # 1.35x (N = 2) to 1.9x (N = 8) here
     q, k, v, args, _ = meta_call(n, "balanced", docs)
     choice, preds = route.explain(q, k, v, args, cu, n, 0)
     total = {p.strategy: p.total_s for p in preds}
-    assert total["ring"] <= 1.1 * min(total.values()), total
+    assert total["ring"] <= 0.75 * zigzag["ring"], (total, zigzag)
+    if n == 8:
+        assert choice == "ulysses", total
 
 
 def test_auto_keeps_the_ring_where_it_is_balanced():
@@ -217,3 +222,56 @@ def test_calibrate_measures_a_launch_s_host_time():
 
     t = launch_host_s(KERNELS["math"], torch.device("cpu"), torch.float32, heads=2, head_dim=16, calls=3)
     assert 0 < t < 5.0
+
+
+def test_fused_ring_pays_its_accumulators_memory_traffic(docs):
+    """Fused ring steps merge into float32 accumulators over the rank's rows: call_shape counts
+    the bytes (plan/fuse.py accumulator_traffic, the rank that moves most) and the model charges
+    them at device memory speed on top of the kernels. Plain (task-by-task) plans count none."""
+    from dtcp.plan.fuse import accumulator_traffic, fused_launches
+    n = 4
+    shape, _ = shape_of(n, "balanced", docs)
+    mask = AttnMask.make(True, (-1, 0), segments_from_cu_seqlens(cu_of(docs), TOTAL))
+    plans = ring_plans(dtcp.Balanced(docs), TOTAL // n, n, True, mask)
+    fa4 = KERNELS["fa4"]
+    want = max(accumulator_traffic(fused_launches(p, fa4.reject_varlen_reason), TOTAL // n) for p in plans)
+    assert shape.ring_acc_bytes == want and want > 12 * (TOTAL // n)  # later steps merge some rows
+    plain = dataclasses.replace(shape, ring_acc_bytes=0)
+    extra = predict("ring", shape, MACHINE).kernel_s - predict("ring", plain, MACHINE).kernel_s
+    elems = shape.q_heads * (shape.head_dim + shape.v_head_dim)
+    assert extra == pytest.approx(elems * want / MACHINE.memory_bytes_per_s)
+    causal, _ = shape_of(n, "zigzag")  # plain causal zigzag: one task per step, not fused
+    assert causal.ring_acc_bytes == 0
+
+
+def test_accumulator_traffic_counts_fill_merges_and_gathers():
+    """A step whose first launch covers every row starts the accumulator from it (6 bytes an
+    element), the final cast is 6; each other launch merges its rows (10), and 16 more where its
+    rows are scattered."""
+    from dtcp.plan.fuse import Launch, accumulator_traffic
+    local = Launch((-1, 0), ((0, 10),), ((0, 10),))
+    tiled = Launch((-1, -1), ((2, 6),), ((0, 3),))
+    scattered = Launch((-1, -1), ((0, 2), (7, 9)), ((0, 3), (5, 6)))
+    assert accumulator_traffic(((local,), (tiled,), (scattered,)), 10) == 12 * 10 + 10 * 4 + 26 * 4
+    # a first launch that leaves rows out: zeros (4) and a merge of its rows too
+    partial = Launch((-1, 0), ((0, 8),), ((0, 8),))
+    assert accumulator_traffic(((partial,), (tiled,)), 10) == 10 * 10 + 10 * 8 + 10 * 4
+
+
+def test_measured_two_gpu_run_replayed():
+    """benchmarks/bench_strategies.py --replay on a measured run (2x H100, FA4, 2026-11-26:
+    causal and Balanced document masks at 32K and 128K): this checkout's model picks within 5% of
+    the best measured strategy at 7 of the 8 points (the model the run was taken with: 5 of 8,
+    ring over an all-gather 1.18-1.28x faster on packed documents at 32K)."""
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import bench_strategies
+    finally:
+        sys.path.remove(bench)
+    rows = bench_strategies.replay(os.path.join(bench, "results", "strategies_2xh100_2026-11-26.json"))
+    assert len(rows) == 8
+    within = [row["measured"][row["pick"]] <= 1.05 * min(row["measured"].values()) for row in rows]
+    assert sum(within) >= 7, [(r["S"], r["mask"], r["pick"], r["measured"]) for r in rows]

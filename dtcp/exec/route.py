@@ -46,7 +46,7 @@ from ..plan import (
     segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
 from ..plan.cost import machine_for, rank as rank_strategies
-from ..plan.fuse import fused_launches
+from ..plan.fuse import accumulator_traffic, fused_launches
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
 from .ring import ring_backward, ring_forward
 from .ulysses import to_heads, to_sequence
@@ -403,6 +403,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
     n, local_len = problem.world_size, q.shape[2]
     target = predicted_target(q, machine_for(config.cost_machine))
     kernels, launches, rows_per_launch = {}, {}, {}
+    ring_kernel = None
     for strategy in ("ring", "allgather", "ulysses"):
         try:
             if strategy == "ulysses":
@@ -421,6 +422,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
         pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
         top = max(range(len(plans)), key=lambda rr: pairs[rr])
         kernels[strategy] = kernel.name
+        ring_kernel = kernel if strategy == "ring" else ring_kernel
         launches[strategy] = max(count for count, _ in work)
         rows_per_launch[strategy] = work[top][1] / max(1, work[top][0])
     allowed = list(kernels)
@@ -438,13 +440,21 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
         return max(per_rank) / batch, sum(per_rank) / batch
 
     ring_pairs, total_pairs = per_row(ring_plans)
+    ring_acc_bytes = 0
+    if ring_kernel is not None and ring_kernel.varlen_one_launch and config.ring_one_launch:
+        per_rank = [0] * n
+        for seg in rows:
+            for rr, plan in enumerate(ring_plans(problem.layout, local_len, n, args.is_causal, masks[seg])):
+                fused = fused_launches(plan, ring_kernel.reject_varlen_reason)
+                per_rank[rr] += accumulator_traffic(fused, local_len) if fused is not None else 0
+        ring_acc_bytes = max(per_rank) / batch
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
     ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
-                      ring_calls=launches.get("ring", 1),
+                      ring_calls=launches.get("ring", 1), ring_acc_bytes=ring_acc_bytes,
                       ring_q_block=max(1, int(rows_per_launch.get("ring", local_len))), allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()))

@@ -132,6 +132,9 @@ class CallShape:
     ring_kv_len: Optional[float] = None  # keys one ring transfer carries (a window's span; None: the whole block)
     ring_calls: int = 1  # kernel launches per pass of the rank that launches most (fused steps: plan/fuse.py)
     ring_q_block: int = 0  # query rows per launch of the slowest rank
+    # bytes the fused ring's float32 accumulators move per query-row element (plan/fuse.py
+    # accumulator_traffic, summed over rows; the rank that moves most): 0 where steps run task by task
+    ring_acc_bytes: float = 0
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
@@ -211,6 +214,12 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
     """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
                        shape.backward, machine.ring_launch_host_s)
+    # Fused steps merge into float32 accumulators over the rank's rows: device memory traffic on
+    # the kernels' stream (out/lse in the forward over Dv, dQ in the backward over D). On 2 H100s
+    # with FA4, without this term the model put the ring 1.4-1.7 ms under its measured time at 32K
+    # tokens of packed documents (bench_strategies.py, 2026-11-26) and picked it over a faster all-gather.
+    elems = shape.batch * heads * (shape.v_head_dim + (shape.head_dim if shape.backward else 0))
+    kernel += elems * shape.ring_acc_bytes / machine.memory_bytes_per_s
     kv = shape.batch * kv_heads * kv_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s

@@ -296,3 +296,22 @@ def fused_launches(plan, refuse=None):
         return None
     return steps
 
+
+
+def accumulator_traffic(steps, local_len: int) -> int:
+    """Bytes per (query row x head x head-dim element) that the fused ring's float32 accumulators
+    move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels:
+    the accumulator started from the local step's first launch where it covers every row (read
+    2 bytes, write 4; else a zero fill of 4 and a merge), a merge (read 4 + 2, write 4) for every
+    other launch's rows, 16 more where a launch's rows are scattered (gathered in, merged,
+    scattered back), and the final cast (read 4, write 2). `steps`: fused_launches(plan)."""
+    first = steps[0][0] if steps and steps[0] else None
+    fill = first is not None and first.q_span == (0, local_len)
+    total = (6 if fill else 4) * local_len + 6 * local_len
+    for launches in steps:
+        for launch in launches:
+            if fill and launch is first:
+                continue
+            rows = launch.cu_q[-1]
+            total += 10 * rows + (16 * rows if launch.q_span is None else 0)
+    return total
