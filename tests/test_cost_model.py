@@ -258,11 +258,17 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     assert accumulator_traffic(((partial,), (tiled,)), 10) == 10 * 10 + 10 * 8 + 10 * 4
 
 
-def test_measured_two_gpu_run_replayed():
-    """benchmarks/bench_strategies.py --replay on a measured run (2x H100, FA4, 2026-11-26:
-    causal and Balanced document masks at 32K and 128K): this checkout's model picks within 5% of
-    the best measured strategy at 7 of the 8 points (the model the run was taken with: 5 of 8,
-    ring over an all-gather 1.18-1.28x faster on packed documents at 32K)."""
+@pytest.mark.parametrize("name,points,within_5", [
+    ("strategies_2xh100_2026-11-26.json", 8, 7),
+    ("strategies_2xh100_2026-11-26b.json", 9, 8),
+])
+def test_measured_two_gpu_runs_replayed(name, points, within_5):
+    """benchmarks/bench_strategies.py --replay on measured runs (2x H100, FA4, 2026-11-26). The
+    first (causal and Balanced document masks at 32K and 128K) was taken with the model before
+    the fused ring's accumulator term: its picks were within 5% of the best at 5 of 8 points
+    (the ring over an all-gather 1.18-1.28x faster on packed documents at 32K); this checkout's
+    model at 7. The second (documents at 32K, 64K and 128K, another machine) was taken with this
+    model, out of sample: 8 of 9 at run time, and so replayed."""
     import os
     import sys
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -271,7 +277,7 @@ def test_measured_two_gpu_run_replayed():
         import bench_strategies
     finally:
         sys.path.remove(bench)
-    rows = bench_strategies.replay(os.path.join(bench, "results", "strategies_2xh100_2026-11-26.json"))
-    assert len(rows) == 8
+    rows = bench_strategies.replay(os.path.join(bench, "results", name))
+    assert len(rows) == points
     within = [row["measured"][row["pick"]] <= 1.05 * min(row["measured"].values()) for row in rows]
-    assert sum(within) >= 7, [(r["S"], r["mask"], r["pick"], r["measured"]) for r in rows]
+    assert sum(within) >= within_5, [(r["S"], r["mask"], r["pick"], r["measured"]) for r in rows]

@@ -1,4 +1,5 @@
-"""dtcp on 2 GPUs (NCCL, copy engines): the correctness matrix, a copy-engine stress run, and
+"""dtcp on 2 GPUs (NCCL, copy engines): the correctness matrix, packed documents with a new mix
+every step (Balanced and zigzag, every strategy, fa4 and flash), a copy-engine stress run, and
 failure injection. Each test prints its figures (run with -s to see them)."""
 
 from __future__ import annotations
