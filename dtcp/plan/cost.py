@@ -210,8 +210,10 @@ def _flops(shape: CallShape, heads: float, pairs: float) -> float:
 
 
 def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, heads: float, pairs: int, rounds: int,
-          calls: int, q_block: int, kernel_name: Optional[str] = None) -> tuple[float, float, float]:
-    """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys."""
+          calls: int, q_block: int, kernel_name: Optional[str] = None,
+          acc_bytes: float = 0) -> tuple[float, float, float]:
+    """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys;
+    `acc_bytes`: its fused steps' accumulator traffic (CallShape.ring_acc_bytes)."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
                        shape.backward, machine.ring_launch_host_s)
     # Fused steps merge into float32 accumulators over the rank's rows: device memory traffic on
@@ -219,7 +221,7 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
     # with FA4, without this term the model put the ring 1.4-1.7 ms under its measured time at 32K
     # tokens of packed documents (bench_strategies.py, 2026-11-26) and picked it over a faster all-gather.
     elems = shape.batch * heads * (shape.v_head_dim + (shape.head_dim if shape.backward else 0))
-    kernel += elems * shape.ring_acc_bytes / machine.memory_bytes_per_s
+    kernel += elems * acc_bytes / machine.memory_bytes_per_s
     kv = shape.batch * kv_heads * kv_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
@@ -248,7 +250,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         kv_len = shape.local_len if shape.ring_kv_len is None else shape.ring_kv_len
         total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, kv_len, shape.q_heads,
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
-                                             shape.ring_q_block or shape.local_len, shape.kernel_of("ring"))
+                                             shape.ring_q_block or shape.local_len, shape.kernel_of("ring"),
+                                             shape.ring_acc_bytes)
         return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed,
                           kernel=shape.kernel_of("ring"), launches=shape.ring_calls)
     if strategy == "allgather":
@@ -298,7 +301,7 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         kv_len = u * l_len if shape.hybrid_kv_len is None else shape.hybrid_kv_len
         ring_total, kernel, ring_comm, ring_exposed = _ring(
             across, shape, max(1, kv_heads_sent // u), kv_len, shape.q_heads / u, shape.hybrid_pairs,
-            shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))
+            shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))  # (accumulators not counted)
         note = f"ulysses {u} x ring {r}"
         return Prediction("hybrid", ring_total + comm + copies + machine.fixed_of("hybrid"), kernel, comm + ring_comm,
                           comm + copies + ring_exposed, note, kernel=shape.kernel_of("hybrid"),
