@@ -21,6 +21,7 @@ floor, and a log-normal fitted to English Wikipedia's token lengths). `--masks`,
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -77,22 +78,25 @@ def documents_of(mask: str, s: int) -> tuple[int, ...]:
     return draw(s, 0, 1.0)
 
 
-def point(s, hq, hkv, mask, device, iters, n, rank):
-    kwargs = dict(is_causal=True, enable_gqa=hq != hkv)
+def mask_call(mask: str, s: int):
+    """(layout, window, document boundaries or None) of a point's call. Balanced (what
+    layout="auto" gives a packed row) carries its documents; zigzag takes them as cu_seqlens."""
     if mask == "window":
-        kwargs.update(layout=dtcp.Contiguous(), window_size=(4096, 0))
-    elif mask == "causal":
-        kwargs.update(layout=dtcp.Zigzag())
-    else:
-        lens = documents_of(mask, s)
-        cu = [0]
-        for x in lens:
-            cu.append(cu[-1] + x)
-        if mask in BALANCED:  # what layout="auto" gives a packed row: the documents travel with the layout
-            kwargs.update(layout=dtcp.Balanced(lens))
-        else:
-            kwargs.update(layout=dtcp.Zigzag(), cu_seqlens=torch.tensor(cu, dtype=torch.int32))  # CPU: no sync
-    layout = kwargs["layout"]
+        return dtcp.Contiguous(), (4096, 0), None
+    if mask == "causal":
+        return dtcp.Zigzag(), (-1, 0), None
+    lens = documents_of(mask, s)
+    cu = (0, *itertools.accumulate(lens))
+    return (dtcp.Balanced(lens) if mask in BALANCED else dtcp.Zigzag()), (-1, 0), cu
+
+
+def point(s, hq, hkv, mask, device, iters, n, rank):
+    layout, window, cu = mask_call(mask, s)
+    kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
+    if mask == "window":
+        kwargs.update(window_size=window)
+    if cu is not None and not isinstance(layout, dtcp.Balanced):
+        kwargs.update(cu_seqlens=torch.tensor(cu, dtype=torch.int32))  # CPU boundaries: no device sync
     local = s // n
     g = torch.Generator(device=device).manual_seed(s + hq)
     q = torch.randn(1, hq, local, 128, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -144,15 +148,8 @@ def replay(path: str) -> list[dict]:
             s, (hq, hkv), mask = row["S"], (int(x) for x in row["heads"].split("/")), row["mask"]
             q = torch.empty(1, hq, s // n, 128, dtype=torch.bfloat16, device="meta")
             k = torch.empty(1, hkv, s // n, 128, dtype=torch.bfloat16, device="meta")
-            window, cu = (-1, 0), None
-            if mask == "window":
-                spec, window = "contiguous", (4096, 0)
-            elif mask == "causal":
-                spec = "zigzag"
-            else:
-                lens = documents_of(mask, s)
-                spec = dtcp.Balanced(lens).op_spec() if mask in BALANCED else "zigzag"
-                cu = tuple([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+            layout, window, cu = mask_call(mask, s)
+            spec = layout.op_spec() if isinstance(layout, dtcp.Balanced) else layout.spec()
             args = route.CallArgs("", spec, True, default_scale(128), "auto", window[0], window[1], "auto")
             pick, preds = route.explain(q, k, k, args, cu, n, 0)
             rows.append(dict(row, pick=pick, predicted={p.strategy: p.total_s for p in preds}))
