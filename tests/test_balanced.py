@@ -54,9 +54,22 @@ def test_every_token_once_equal_tokens_balanced_work(world_size, seed):
     placement = balanced_placement(docs, world_size, min_chunk=1)
     seen = sorted(g for runs in placement for a, b in runs for g in range(a, b))
     assert seen == list(range(sum(docs)))
+    holders = {}  # document -> ranks holding a piece of it
+    for r, runs in enumerate(placement):
+        for a, b in runs:
+            for i, (ds, de) in enumerate(segments_of(docs)):
+                if max(a, ds) < min(b, de):
+                    holders.setdefault(i, set()).add(r)
     for runs in placement:
         assert sum(b - a for a, b in runs) == sum(docs) // world_size
-        assert all(x[1] < y[0] for x, y in zip(runs, runs[1:]))  # increasing global order, merged
+        # Local order: the runs shared with other ranks first, then the documents held whole;
+        # each group in increasing global order, touching runs joined.
+        shared = [any(len(holders[i]) > 1 for i, (ds, de) in enumerate(segments_of(docs)) if max(a, ds) < min(b, de))
+                  for a, b in runs]
+        assert shared == sorted(shared, reverse=True), shared
+        for group in (True, False):
+            part = [run for run, s in zip(runs, shared) if s == group]
+            assert all(x[1] < y[0] for x, y in zip(part, part[1:])), part
     work = [causal_work(runs, docs) for runs in placement]
     assert max(work) * world_size / sum(work) <= 1 + TOLERANCE, work
 

@@ -96,7 +96,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
         return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
 
-    out = out_acc = lse_acc = None
+    out = out_acc = lse_acc = q_rows = None
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
         out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
 
@@ -112,14 +112,17 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                 out_acc = torch.empty(out_shape, dtype=acc, device=q.device) if fill else \
                     torch.zeros(out_shape, dtype=acc, device=q.device)
                 lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device) if fill else no_keys_lse()
+            if q_rows is None:  # rows-form views of what stays put, once per call (host time)
+                q_rows, out_rows = [rows(q, b) for b in range(q.shape[0])], [rows(out_acc, b) for b in range(q.shape[0])]
             for b in range(q.shape[0]):
+                q_b, out_b, k_b, v_b = q_rows[b], out_rows[b], rows(cur[0], b), rows(cur[1], b)
                 for i, li in enumerate(fused[t]):
-                    o, l = launch_forward(kernel, rows(q, b), rows(cur[0], b), rows(cur[1], b), li, scale, softcap)
+                    o, l = launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap)
                     if fill and i == 0:
-                        rows(out_acc, b).copy_(o)
+                        out_b.copy_(o)
                         lse_acc[b].copy_(l)
                     else:
-                        merge_launch_(rows(out_acc, b), lse_acc[b], li, o, l)
+                        merge_launch_(out_b, lse_acc[b], li, o, l)
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
@@ -158,6 +161,12 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     if out_acc is not None:
         _rows(out, *merged).copy_(out_acc)
     return out, lse_acc
+
+
+def _fills_block(block_grads, span_len: int, batch: int) -> bool:
+    """Is a step's dK/dV one launch per batch row over every key of the held span, in order?"""
+    return (len(block_grads) == batch and sorted(g[0] for g in block_grads if g[0] is not None) == list(range(batch))
+            and all(g[0] is not None and g[2] is None and tuple(g[1]) == (0, span_len) for g in block_grads))
 
 
 def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
@@ -201,7 +210,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
         own_dkv = (new_acc(k, fill_kv), new_acc(v, fill_kv))
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
-    dkv_works = None
+    dkv_works = fixed_rows = None
 
     def grad_slot(i: int, span_len: int) -> list[torch.Tensor]:
         return comm.fit(dkv_bufs[i], _shapes(local, span_len), "grad")
@@ -214,15 +223,18 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             cur = tuple(_rows(x, *step.span) for x in local)
         block_grads = []  # this step's dK/dV for the span held: (batch row, keys, index, dk, dv) per call
         if fused is not None:
+            if fixed_rows is None:  # rows-form views of what stays put, once per call (host time)
+                fixed_rows = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(q.shape[0])]
             for b in range(q.shape[0]):
+                dout_b, q_b, out_b, dq_b = fixed_rows[b]
+                k_b, v_b = rows(cur[0], b), rows(cur[1], b)
                 for i, li in enumerate(fused[t]):
-                    dq_t, dk_t, dv_t = launch_backward(kernel, rows(dout, b), rows(q, b), rows(cur[0], b),
-                                                       rows(cur[1], b), rows(out, b), lse[b], li, scale, softcap)
+                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale, softcap)
                     first = t == 0 and i == 0
                     if first and fill_q:
-                        rows(dq_acc, b).copy_(dq_t)
+                        dq_b.copy_(dq_t)
                     else:
-                        add_rows_(rows(dq_acc, b), li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
+                        add_rows_(dq_b, li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
                     if first and fill_kv:
                         rows(own_dkv[0], b).copy_(dk_t)
                         rows(own_dkv[1], b).copy_(dv_t)
@@ -257,8 +269,16 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             travelling = grad_slot(t % 2, step.span_len)  # the held span's dK/dV accumulator
             if plan.starts_chain(t) or not moves:
                 comm.drain()  # the buffer may still be being sent from
-                travelling[0].zero_()
-                travelling[1].zero_()
+                if _fills_block(block_grads, step.span_len, q.shape[0]):
+                    # One launch per batch row took every key of the span: its dK/dV *are* the
+                    # accumulator's start (a copy, not a zero fill and an add; the same values).
+                    for b, _, _, dk_t, dv_t, _ in block_grads:
+                        rows(travelling[0], b).copy_(dk_t)
+                        rows(travelling[1], b).copy_(dv_t)
+                    block_grads = []
+                else:
+                    travelling[0].zero_()
+                    travelling[1].zero_()
             else:
                 comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
             dkv_works = None

@@ -176,17 +176,32 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
             best = (worst, pieces)
         if worst <= 1 + TOLERANCE:
             break
-    return tuple(_merged(sorted(p)) for p in best[1])
+    return tuple(_local_order(p) for p in best[1])
+
+
+def _local_order(pieces: list[tuple[Run, bool]]) -> tuple[Run, ...]:
+    """A rank's runs in local order: first the pieces other ranks attend to or that attend to other
+    ranks (chunks of cut documents, pieces of split ones), then the documents it holds whole; each
+    group in increasing global order, touching runs joined.
+
+    Why not all in global order: the ring only sends, receives and computes the shared pieces. Held
+    together at the front of the shard, they are one span to send and mostly one range of rows
+    and keys per step (views instead of gathers); in global order whole documents fall between
+    them. Within one document a rank's pieces keep their global order, which is all the planner
+    needs (plan/mask.py `band_tasks` works from global positions)."""
+    shared = _merged(sorted(run for run, is_shared in pieces if is_shared))
+    whole = _merged(sorted(run for run, is_shared in pieces if not is_shared))
+    return shared + whole
 
 
 def _place(by_length, cut: int, n: int, per_rank: int):
-    """(pieces per rank, causal work per rank) when the `cut` longest documents are cut zigzag-style
+    """(pieces per rank as (run, shared), causal work per rank) when the `cut` longest documents are cut zigzag-style
     and the rest placed whole (module docstring)."""
     tokens, work = [0] * n, [0] * n
-    pieces: list[list[Run]] = [[] for _ in range(n)]
+    pieces: list[list[tuple[Run, bool]]] = [[] for _ in range(n)]  # (run, shared with other ranks)
 
-    def put(rank: int, start: int, a: int, b: int) -> None:  # offsets [a, b) of the document at `start`
-        pieces[rank].append((start + a, start + b))
+    def put(rank: int, start: int, a: int, b: int, length: int) -> None:  # offsets [a, b) of the document at `start`
+        pieces[rank].append(((start + a, start + b), b - a < length))
         tokens[rank] += b - a
         work[rank] += _causal_pairs(a, b)
 
@@ -202,13 +217,13 @@ def _place(by_length, cut: int, n: int, per_rank: int):
         offset = 0
         for chunk, size in enumerate(sizes):
             if size:
-                put(min(chunk, 2 * n - 1 - chunk), start, offset, offset + size)
+                put(min(chunk, 2 * n - 1 - chunk), start, offset, offset + size, length)
             offset += size
     leftover = []
     for length, _, start in by_length[cut:]:
         room = [r for r in range(n) if per_rank - tokens[r] >= length]
         if room:
-            put(min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)), start, 0, length)
+            put(min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)), start, 0, length, length)
         else:
             leftover.append((start, length))
     # What fits nowhere whole fills the remaining room in rank order, in document order.
@@ -219,7 +234,7 @@ def _place(by_length, cut: int, n: int, per_rank: int):
             while per_rank - tokens[rank] == 0:
                 rank += 1
             take = min(length - offset, per_rank - tokens[rank])
-            put(rank, start, offset, offset + take)
+            put(rank, start, offset, offset + take, length)
             offset += take
     return pieces, work
 

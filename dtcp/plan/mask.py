@@ -142,9 +142,9 @@ class AttnMask:
 
 def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Task]:
     """Tasks of queries held as the global runs `q_run_list` (in local order) against keys held as
-    `k_run_list`: one band task per (query run, document, key run) with a visible pair, trimmed
-    to its visible rows and columns. Within a run local order is global order, so a global band is
-    a band in slice indices. Only key runs inside the document and the window's reach are looked
+    `k_run_list` (both in local order, which need not be global order): one band task per (query
+    run, document, key run) with a visible pair, trimmed to its visible rows and columns. Within a
+    run local order is global order, so a global band is a band in slice indices. Only key runs inside the document and the window's reach are looked
     at. Every task is trimmed: each query row sees at least one key and each key column is seen
     by at least one query, so kernels never see a fully masked row."""
     lo, hi = mask.lo, mask.hi
@@ -154,7 +154,10 @@ def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Tas
     for ka, kb in k_run_list:
         k_runs.append((ka, kb, ko))
         ko += kb - ka
-    k_starts = [ka for ka, _, _ in k_runs]  # runs are in increasing global order
+    # Searched in global order (a layout may hold its runs in another local order: Balanced puts
+    # the runs it shares with other ranks first); `ko` keeps each run's local offset.
+    k_runs.sort()
+    k_starts = [ka for ka, _, _ in k_runs]
     tasks = []
     qo = 0
     for qa, qb in q_run_list:
