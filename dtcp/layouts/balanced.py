@@ -20,14 +20,16 @@ pairs: the placement depends on the documents and N only, never on the mask of o
 model mixing window and full layers shards its batch once.
 
 No padding: the packed sequence's length must be a multiple of N (pad it with one more
-document). Each rank's tokens stay in increasing global order, as in every layout. The layout
-carries its documents, so `ring_attention(..., layout=Balanced(...))` applies the document mask
-by itself; inside the op the documents travel as the `cu_seqlens` tensor: a new document
+document). Local order: a rank holds first the chunks of cut documents, then the pieces of split
+ones (what other ranks attend to), then its whole documents, each group in increasing global
+order (`_local_order` says why); one document's pieces on a rank are always in global order. The
+layout carries its documents, so `ring_attention(..., layout=Balanced(...))` applies the document
+mask by itself; inside the op the documents travel as the `cu_seqlens` tensor: a new document
 structure every batch is a new input, not a new graph under torch.compile.
 
-    documents 10, 2, 2, 2 over 2 ranks (M = 8; the 10 is cut into 4 chunks of 2 and 3):
-    rank 0:  a0 a1 | a7 a8 a9 | b0 b1 | d0     (chunks 0 and 3 of a, b whole, d's first token)
-    rank 1:  a2 a3 a4 | a5 a6 | c0 c1 | d1
+    documents 10, 2, 2, 2 over 2 ranks (M = 8, min_chunk=1; the 10 is cut into chunks of 3, 2, 3, 2):
+    rank 0:  a0 a1 a2 | a8 a9 | d0 | b0 b1     (chunks 0 and 3 of a, d's first token, b whole)
+    rank 1:  a3 a4 | a5 a6 a7 | d1 | c0 c1     (chunks 1 and 2 of a, d's last token, c whole)
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ class Balanced(Layout):
         self.check(seq_len, world_size)
         return list(balanced_placement(self._documents(), world_size, self.min_chunk)[rank])
 
+    def causal_blocks(self, local_len, world_size, rank, src):
+        """None: the planner derives every block from the runs, whose local order is not global
+        order (shared pieces first), so not even the own block is causal in local indices."""
+        return None
+
     def spec(self) -> str:
         return self.op_spec() if self.doc_lens is None else self.op_spec() + ":" + ",".join(map(str, self.doc_lens))
 
@@ -179,29 +186,30 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     return tuple(_local_order(p) for p in best[1])
 
 
-def _local_order(pieces: list[tuple[Run, bool]]) -> tuple[Run, ...]:
-    """A rank's runs in local order: first the pieces other ranks attend to or that attend to other
-    ranks (chunks of cut documents, pieces of split ones), then the documents it holds whole; each
-    group in increasing global order, touching runs joined.
+def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
+    """A rank's runs in local order: first the chunks of cut documents, then the pieces of split
+    documents (both attend to, or are attended by, other ranks), then the documents it holds whole;
+    each group in increasing global order, touching runs joined.
 
-    Why not all in global order: the ring only sends, receives and computes the shared pieces. Held
-    together at the front of the shard, they are one span to send and mostly one range of rows
-    and keys per step (views instead of gathers); in global order whole documents fall between
-    them. Within one document a rank's pieces keep their global order, which is all the planner
-    needs (plan/mask.py `band_tasks` works from global positions)."""
-    shared = _merged(sorted(run for run, is_shared in pieces if is_shared))
-    whole = _merged(sorted(run for run, is_shared in pieces if not is_shared))
-    return shared + whole
+    Why not all in global order: the ring only sends, receives and computes the shared pieces.
+    Held together at the front of the shard, they are one short span to send, and a ring step's
+    query rows or keys are mostly one range (views instead of gathers); in global order whole
+    documents fall between them (measured: spans 3x shorter on a log-normal mix at N = 8). Cut
+    chunks come before split pieces because a step with a cut document uses the chunks of every
+    cut document. Within one document a rank's pieces keep their global order, which is all the
+    planner needs (plan/mask.py `band_tasks` works from global positions)."""
+    return tuple(run for group in (0, 1, 2) for run in _merged(sorted(r for r, g in pieces if g == group)))
 
 
 def _place(by_length, cut: int, n: int, per_rank: int):
-    """(pieces per rank as (run, shared), causal work per rank) when the `cut` longest documents are cut zigzag-style
+    """(pieces per rank as (run, group), causal work per rank) when the `cut` longest documents are cut zigzag-style
     and the rest placed whole (module docstring)."""
     tokens, work = [0] * n, [0] * n
-    pieces: list[list[tuple[Run, bool]]] = [[] for _ in range(n)]  # (run, shared with other ranks)
+    # (run, group): 0 a chunk of a cut document, 1 a piece of a split one, 2 a whole document
+    pieces: list[list[tuple[Run, int]]] = [[] for _ in range(n)]
 
-    def put(rank: int, start: int, a: int, b: int, length: int) -> None:  # offsets [a, b) of the document at `start`
-        pieces[rank].append(((start + a, start + b), b - a < length))
+    def put(rank: int, start: int, a: int, b: int, group: int) -> None:  # offsets [a, b) of the document at `start`
+        pieces[rank].append(((start + a, start + b), group))
         tokens[rank] += b - a
         work[rank] += _causal_pairs(a, b)
 
@@ -217,13 +225,13 @@ def _place(by_length, cut: int, n: int, per_rank: int):
         offset = 0
         for chunk, size in enumerate(sizes):
             if size:
-                put(min(chunk, 2 * n - 1 - chunk), start, offset, offset + size, length)
+                put(min(chunk, 2 * n - 1 - chunk), start, offset, offset + size, 0)
             offset += size
     leftover = []
     for length, _, start in by_length[cut:]:
         room = [r for r in range(n) if per_rank - tokens[r] >= length]
         if room:
-            put(min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)), start, 0, length, length)
+            put(min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)), start, 0, length, 2)
         else:
             leftover.append((start, length))
     # What fits nowhere whole fills the remaining room in rank order, in document order.
@@ -234,7 +242,7 @@ def _place(by_length, cut: int, n: int, per_rank: int):
             while per_rank - tokens[rank] == 0:
                 rank += 1
             take = min(length - offset, per_rank - tokens[rank])
-            put(rank, start, offset, offset + take, length)
+            put(rank, start, offset, offset + take, 2 if take == length else 1)
             offset += take
     return pieces, work
 

@@ -1,9 +1,12 @@
 """The Layout base class: which global tokens each rank of a context-parallel group holds.
 
-A layout is pure index math over (seq_len, world_size, rank). Every layout here keeps the
-tokens of one rank in increasing global order, so "key j is not after query i" in global
-positions is the same as "j <= i" in local indices when both come from the same rank. The
-planner relies on that.
+A layout is pure index math over (seq_len, world_size, rank). Every layout here but `Balanced`
+keeps the tokens of one rank in increasing global order, so "key j is not after query i" in
+global positions is the same as "j <= i" in local indices when both come from the same rank: the
+plain causal fast path (`causal_blocks`) relies on that. `Balanced` (always under its document
+mask, never the plain fast path) keeps only each document's pieces in global order and puts the
+pieces it shares with other ranks first; the planner's general path (plan/mask.py `band_tasks`)
+works from global positions and takes any local order.
 
 `shard`, `unshard` and `positions` are conveniences that apply the index math to tensors of a
 process group; they are implemented in `dtcp.layouts.sharding`.

@@ -5,7 +5,7 @@ consecutive ranks (the Ulysses group of a 2-D mesh, ring-major: CP rank = ring r
 Ulysses rank). After the exchange each member of group p holds the tokens of all of the group's
 ranks, for a share of the heads. `Grouped(base, inner)` over R = N / inner ranks is that token
 set: rank p holds the union of `base`'s shards of ranks p*inner ... p*inner + inner - 1, in
-increasing global order (as every layout keeps its tokens). The ring across groups runs on it.
+increasing global order (whatever the base's local order). The ring across groups runs on it.
 
     Zigzag() over 4 ranks, inner 2: ranks 0, 1 hold chunks {0, 7} and {1, 6} of 8;
     Grouped(Zigzag(), 2) over 2 ranks: rank 0 holds chunks 0 1 | 6 7 (the zigzag of 2 ranks).
