@@ -21,6 +21,7 @@ nothing reads the environment or a module global on the hot path.
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
 | `ring_one_launch` | True | | a ring step's tasks (document pieces, chunk pairs, diagonal and off-diagonal blocks) as one varlen launch per window where the kernel has one (fa4, flash) |
+| `varlen_gaps` | True | | ... and a launch whose rows or keys lie apart (in order) reads them in place, leaving the rows between out (FA4's seqused), instead of gathering them |
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Config:
     traced_allgather: bool = True
     one_launch: bool = True
     ring_one_launch: bool = True
+    varlen_gaps: bool = True
     cost_machine: object = None
 
     def __setattr__(self, name: str, value) -> None:

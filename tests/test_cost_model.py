@@ -258,17 +258,18 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     assert accumulator_traffic(((partial,), (tiled,)), 10) == 10 * 10 + 10 * 8 + 10 * 4
 
 
-@pytest.mark.parametrize("name,points,within_5", [
-    ("strategies_2xh100_2026-11-26.json", 8, 7),
-    ("strategies_2xh100_2026-11-26b.json", 9, 8),
+@pytest.mark.parametrize("name,masks,points,within_5", [
+    ("strategies_2xh100_2026-11-26.json", ("causal",), 2, 2),
+    ("strategies_2xh100_2026-11-26c.json", None, 9, 7),
 ])
-def test_measured_two_gpu_runs_replayed(name, points, within_5):
-    """benchmarks/bench_strategies.py --replay on measured runs (2x H100, FA4, 2026-11-26). The
-    first (causal and Balanced document masks at 32K and 128K) was taken with the model before
-    the fused ring's accumulator term: its picks were within 5% of the best at 5 of 8 points
-    (the ring over an all-gather 1.18-1.28x faster on packed documents at 32K); this checkout's
-    model at 7. The second (documents at 32K, 64K and 128K, another machine) was taken with this
-    model, out of sample: 8 of 9 at run time, and so replayed."""
+def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
+    """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
+    on measured runs (2x H100, FA4, 2026-11-26), for the points whose layout this checkout still
+    places as it was measured. Run "c" (packed documents on Balanced at 32K, 64K and 128K) was
+    taken with this checkout: auto within 5% of the best at 7 of 9 points at run time, and so
+    replayed. Of the first run only the causal (zigzag) points count: its Balanced points, and all
+    of run "b", were measured with Balanced's previous local order (every run in global order),
+    whose plans this checkout no longer builds (the JSONs stay as the record)."""
     import os
     import sys
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -277,7 +278,8 @@ def test_measured_two_gpu_runs_replayed(name, points, within_5):
         import bench_strategies
     finally:
         sys.path.remove(bench)
-    rows = bench_strategies.replay(os.path.join(bench, "results", name))
+    rows = [row for row in bench_strategies.replay(os.path.join(bench, "results", name))
+            if masks is None or row["mask"] in masks]
     assert len(rows) == points
     within = [row["measured"][row["pick"]] <= 1.05 * min(row["measured"].values()) for row in rows]
     assert sum(within) >= within_5, [(r["S"], r["mask"], r["pick"], r["measured"]) for r in rows]

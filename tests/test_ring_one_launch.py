@@ -165,11 +165,13 @@ def test_random_tasks_of_random_plans_fuse_exactly():
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 
-def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1):
+def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gaps=False):
     from dtcp.kernels.math import MathKernel
     dtcp.exec.route.clear_routes()  # (pooled rank processes: the route read below must be this call's)
     n = dist.get_world_size()
     MathKernel.varlen_one_launch = True  # (this rank process only) the varlen loop stands in for one launch
+    # ... and, with `gaps`, for FA4's seqused (rows and keys that lie apart read in place)
+    MathKernel.varlen_gaps = gaps
     calls = {"launches": 0, "tasks": 0}
     varlen_fwd, fwd = MathKernel.varlen_forward, MathKernel.forward
 
@@ -202,10 +204,13 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1):
         want = (out_ref, lse_ref, *(t.grad for t in ref))
         errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
         from dtcp.exec.fused import fused_steps
-        fused = fused_steps(route.plan, route.kernel, q.device) is not None
-        return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks), "fused": fused}
+        fused = fused_steps(route.plan, route.kernel, q.device)
+        gapped = sum(li.q_window is not None or li.k_window is not None for step in fused or () for li in step)
+        return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks),
+                "fused": fused is not None, "gapped": gapped}
     finally:
         MathKernel.varlen_forward, MathKernel.varlen_one_launch = varlen_fwd, False
+        MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
 
 
@@ -227,9 +232,16 @@ RANK_CASES = [  # (world size, layout spec, documents, window)
 ]
 
 
+@pytest.mark.parametrize("gaps", [False, True], ids=["gather", "gaps"])
 @pytest.mark.parametrize("n,spec,docs,window", RANK_CASES, ids=str)
-def test_one_launch_per_step_exact(n, spec, docs, window):
-    results = run_ranks(n, one_launch_errors, spec, docs, window)
+def test_one_launch_per_step_exact(n, spec, docs, window, gaps):
+    """Exact in float64 with launches that gather rows and keys lying apart, and with launches
+    that read them in place between gaps (FA4's seqused; the math kernel's varlen loop stands in)."""
+    results = run_ranks(n, one_launch_errors, spec, docs, window, gaps=gaps)
+    if not gaps:
+        assert all(r["gapped"] == 0 for r in results)
+    elif spec.startswith("balanced@1:40") or spec.startswith("balanced@1:33"):
+        assert sum(r["gapped"] for r in results) > 0  # the gapped path ran
     for r in results:
         for key in KEYS:
             assert r[key] < 1e-10, (key, r)

@@ -34,13 +34,37 @@ from .merge import merge_into_
 
 @dataclass(frozen=True)
 class LaunchIndex:
-    """A launch with what its calls need on the device: index tensors for scattered rows or
-    keys (None where they tile a range: a slice then) and the varlen cumulative lengths."""
+    """A launch with what its calls need on the device: how its query rows and keys are taken
+    (a slice where they tile a range; a *window* where they lie apart in order and the kernel
+    takes varlen gaps: the slice from the first to the last, the rows between left out; else an
+    index tensor to gather with) and the varlen cumulative lengths."""
 
     launch: Launch
     q_index: Optional[torch.Tensor]
     k_index: Optional[torch.Tensor]
     seqs: VarlenSeqs
+    q_window: Optional[tuple[int, int]] = None
+    k_window: Optional[tuple[int, int]] = None
+
+    def q_where(self):
+        """(slice or window, index, ranges) of the query rows: what _pick, _put and add_rows_ take."""
+        return Where(self.launch.q_span or self.q_window, self.q_index, self.launch.q_ranges, self.q_window is not None)
+
+    def k_where(self):
+        return Where(self.launch.k_span or self.k_window, self.k_index, self.launch.k_ranges, self.k_window is not None)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a launch's rows (or keys) are in a rank's tensor: `span` (start, end) read as one
+    slice, when they tile it (`gapped` False) or lie in it apart, in order (`gapped`: a window;
+    the launch's tensor then has the window's length, the rows between undefined); else
+    `ranges` gathered (`index`, the same rows as an index tensor, for many ranges)."""
+
+    span: Optional[tuple[int, int]]
+    index: Optional[torch.Tensor]
+    ranges: tuple
+    gapped: bool = False
 
 
 _FUSED: dict = {}
@@ -52,14 +76,15 @@ def fused_steps(plan: RingPlan, kernel: Kernel, device: torch.device) -> Optiona
     refuses a launch."""
     if not (kernel.varlen_one_launch and config.ring_one_launch):
         return None
-    key = (id(plan), kernel.name, device)
+    gaps = kernel.varlen_gaps and config.varlen_gaps
+    key = (id(plan), kernel.name, device, gaps)
     hit = _FUSED.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
     steps = fused_launches(plan, kernel.reject_varlen_reason)
     fused = None
     if steps is not None:  # keys counted from the held span's start, as the ring holds them
-        fused = tuple(tuple(_indexed(_from(launch, step.span[0]), device) for launch in launches)
+        fused = tuple(tuple(_indexed(_from(launch, step.span[0]), device, gaps) for launch in launches)
                       for step, launches in zip(plan.steps, steps))
     bounded_put(_FUSED, key, (plan, fused))
     return fused
@@ -69,16 +94,31 @@ def _from(launch: Launch, origin: int) -> Launch:
     return Launch(launch.window, launch.q_ranges, tuple((a - origin, b - origin) for a, b in launch.k_ranges))
 
 
-def _indexed(launch: Launch, device) -> LaunchIndex:
+def _in_order(ranges) -> bool:
+    """Do the ranges lie apart in increasing order (each ends before the next starts)?"""
+    return all(x[1] <= y[0] for x, y in zip(ranges, ranges[1:]))
+
+
+def _indexed(launch: Launch, device, gaps: bool = False) -> LaunchIndex:
     def index(ranges, span):
         if span is not None:
             return None
         return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
 
-    cu = torch.tensor([launch.cu_q, launch.cu_k], dtype=torch.int32).to(device)
+    def side(ranges, span, packed):  # (window or None, cu, used or None, index or None)
+        if span is None and gaps and _in_order(ranges):
+            w0, w1 = ranges[0][0], ranges[-1][1]
+            return (w0, w1), tuple(a - w0 for a, _ in ranges) + (w1 - w0,), tuple(b - a for a, b in ranges), None
+        return None, packed, None, index(ranges, span)
+
+    q_window, cu_q, used_q, q_index = side(launch.q_ranges, launch.q_span, launch.cu_q)
+    k_window, cu_k, used_k, k_index = side(launch.k_ranges, launch.k_span, launch.cu_k)
+    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
+    used = [None if u is None else torch.tensor(u, dtype=torch.int32).to(device) for u in (used_q, used_k)]
     lens = launch.seq_lens
-    seqs = VarlenSeqs(launch.cu_q, launch.cu_k, cu[0], cu[1], max(q for q, _ in lens), max(k for _, k in lens))
-    return LaunchIndex(launch, index(launch.q_ranges, launch.q_span), index(launch.k_ranges, launch.k_span), seqs)
+    seqs = VarlenSeqs(cu_q, cu_k, cu[0], cu[1], max(q for q, _ in lens), max(k for _, k in lens),
+                      used_q, used_k, used[0], used[1])
+    return LaunchIndex(launch, q_index, k_index, seqs, q_window, k_window)
 
 
 def fills_rows(launches, local_len: int) -> bool:
@@ -101,22 +141,22 @@ def rows(x: torch.Tensor, b: int) -> torch.Tensor:
 MAX_RANGES = 32
 
 
-def _pick(x_rows: torch.Tensor, span, index, ranges) -> torch.Tensor:
-    """Rows of x_rows (L, ...) along dim 0: the slice `span`, else `ranges` (= `index`) copied."""
-    if index is None:
-        return x_rows[span[0]:span[1]]
-    if len(ranges) <= MAX_RANGES:
-        return torch.cat([x_rows[a:b] for a, b in ranges])
-    return x_rows.index_select(0, index)
+def _pick(x_rows: torch.Tensor, where: Where) -> torch.Tensor:
+    """Rows of x_rows (L, ...) along dim 0: the slice `where.span` (a view), else its ranges copied."""
+    if where.span is not None:
+        return x_rows[where.span[0]:where.span[1]]
+    if len(where.ranges) <= MAX_RANGES:
+        return torch.cat([x_rows[a:b] for a, b in where.ranges])
+    return x_rows.index_select(0, where.index)
 
 
-def _pick_lse(lse_rows: torch.Tensor, span, index, ranges) -> torch.Tensor:
-    """Columns of a (H, L) lse: a slice, else `ranges` (= `index`), contiguous."""
-    if index is None:
-        return lse_rows[:, span[0]:span[1]].contiguous()
-    if len(ranges) <= MAX_RANGES:
-        return torch.cat([lse_rows[:, a:b] for a, b in ranges], dim=1)
-    return lse_rows.index_select(1, index)
+def _pick_lse(lse_rows: torch.Tensor, where: Where) -> torch.Tensor:
+    """Columns of a (H, L) lse: a slice, else the ranges, contiguous."""
+    if where.span is not None:
+        return lse_rows[:, where.span[0]:where.span[1]].contiguous()
+    if len(where.ranges) <= MAX_RANGES:
+        return torch.cat([lse_rows[:, a:b] for a, b in where.ranges], dim=1)
+    return lse_rows.index_select(1, where.index)
 
 
 def _put(x_rows: torch.Tensor, ranges, index, values: torch.Tensor, dim: int = 0) -> None:
@@ -130,54 +170,65 @@ def _put(x_rows: torch.Tensor, ranges, index, values: torch.Tensor, dim: int = 0
     x_rows.index_copy_(dim, index, values)
 
 
+def _pieces(where: Where):
+    """(rank rows [a, b), the launch tensor's rows [c, d)) of each range: at the window's offsets
+    when gapped, else packed one after another."""
+    off = 0
+    for a, b in where.ranges:
+        if where.gapped:
+            yield a, b, a - where.span[0], b - where.span[0]
+        else:
+            yield a, b, off, off + b - a
+            off += b - a
+
+
 def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scale, softcap):
     """One launch on one batch row: (out (T, H, Dv), lse (H, T) float32). k_rows/v_rows: the
     held span's keys (the launch counts keys from its start)."""
-    launch = li.launch
-    q = _pick(q_rows, launch.q_span, li.q_index, launch.q_ranges)
-    k = _pick(k_rows, launch.k_span, li.k_index, launch.k_ranges)
-    v = _pick(v_rows, launch.k_span, li.k_index, launch.k_ranges)
-    return kernel.varlen_forward(q, k, v, li.seqs, launch.window, scale, softcap=softcap)
+    kw = li.k_where()
+    q, k, v = _pick(q_rows, li.q_where()), _pick(k_rows, kw), _pick(v_rows, kw)
+    return kernel.varlen_forward(q, k, v, li.seqs, li.launch.window, scale, softcap=softcap)
 
 
 def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse) -> None:
     """Fold a launch's (out (T, H, Dv), lse (H, T)) into one batch row's accumulators:
     out_acc_rows (L, H, Dv), lse_acc (H, L)."""
-    launch = li.launch
+    where = li.q_where()
     blk_out, blk_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # (1, H, T, Dv), (1, H, T)
-    if li.q_index is None:
-        a, b = launch.q_span
+    if where.span is not None and not where.gapped:
+        a, b = where.span
         merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out, blk_lse)
         return
-    ranges = launch.q_ranges  # (distinct rows: a launch's sequences never share a query row)
-    acc_out = _pick(out_acc_rows, None, li.q_index, ranges).transpose(0, 1).unsqueeze(0)
-    acc_lse = _pick_lse(lse_acc, None, li.q_index, ranges).unsqueeze(0)
+    if where.gapped:  # each range in place (the rows between hold nothing of this launch)
+        for a, b, c, d in _pieces(where):
+            merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0),
+                        blk_out[:, :, c:d], blk_lse[:, :, c:d])
+        return
+    ranges = where.ranges  # (distinct rows: a launch's sequences never share a query row)
+    acc_out = _pick(out_acc_rows, where).transpose(0, 1).unsqueeze(0)
+    acc_lse = _pick_lse(lse_acc, where).unsqueeze(0)
     merge_into_(acc_out, acc_lse, blk_out, blk_lse)
-    _put(out_acc_rows, ranges, li.q_index, acc_out[0].transpose(0, 1))
-    _put(lse_acc, ranges, li.q_index, acc_lse[0], dim=1)
+    _put(out_acc_rows, ranges, where.index, acc_out[0].transpose(0, 1))
+    _put(lse_acc, ranges, where.index, acc_lse[0], dim=1)
 
 
 def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows, lse_b, li: LaunchIndex,
                     scale, softcap):
     """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L)."""
-    launch = li.launch
-    q_span, q_index = launch.q_span, li.q_index
-    q, dout, out = (_pick(x, q_span, q_index, launch.q_ranges) for x in (q_rows, dout_rows, out_rows))
-    k = _pick(k_rows, launch.k_span, li.k_index, launch.k_ranges)
-    v = _pick(v_rows, launch.k_span, li.k_index, launch.k_ranges)
-    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, q_span, q_index, launch.q_ranges), li.seqs,
-                                  launch.window, scale, softcap=softcap)
+    qw, kw = li.q_where(), li.k_where()
+    q, dout, out = (_pick(x, qw) for x in (q_rows, dout_rows, out_rows))
+    k, v = _pick(k_rows, kw), _pick(v_rows, kw)
+    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, qw), li.seqs, li.launch.window, scale,
+                                  softcap=softcap)
 
 
-def add_rows_(acc_rows: torch.Tensor, span, index, grad: torch.Tensor, ranges=()) -> None:
-    """acc_rows[rows] += grad along dim 0 (rows: the slice `span`, else `ranges` (= `index`),
-    which may repeat: each range's share is added, in order)."""
-    if index is None:
-        acc_rows[span[0]:span[1]] += grad
-    elif len(ranges) <= MAX_RANGES and ranges:
-        off = 0
-        for a, b in ranges:
-            acc_rows[a:b] += grad[off:off + b - a]
-            off += b - a
+def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
+    """acc_rows[rows] += grad along dim 0 (rows: `where`; gathered ranges may repeat: each range's
+    share is added, in order)."""
+    if where.span is not None and not where.gapped:
+        acc_rows[where.span[0]:where.span[1]] += grad
+    elif where.gapped or (len(where.ranges) <= MAX_RANGES and where.ranges):
+        for a, b, c, d in _pieces(where):
+            acc_rows[a:b] += grad[c:d]
     else:
-        acc_rows.index_add_(0, index, grad.to(acc_rows.dtype))
+        acc_rows.index_add_(0, where.index, grad.to(acc_rows.dtype))

@@ -166,7 +166,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
 def _fills_block(block_grads, span_len: int, batch: int) -> bool:
     """Is a step's dK/dV one launch per batch row over every key of the held span, in order?"""
     return (len(block_grads) == batch and sorted(g[0] for g in block_grads if g[0] is not None) == list(range(batch))
-            and all(g[0] is not None and g[2] is None and tuple(g[1]) == (0, span_len) for g in block_grads))
+            and all(g[0] is not None and not g[1].gapped and g[1].span == (0, span_len) for g in block_grads))
 
 
 def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
@@ -221,7 +221,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             kv_works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
-        block_grads = []  # this step's dK/dV for the span held: (batch row, keys, index, dk, dv) per call
+        block_grads = []  # this step's dK/dV for the span held: (batch row or None, keys, dk, dv) per call
         if fused is not None:
             if fixed_rows is None:  # rows-form views of what stays put, once per call (host time)
                 fixed_rows = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(q.shape[0])]
@@ -234,12 +234,12 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     if first and fill_q:
                         dq_b.copy_(dq_t)
                     else:
-                        add_rows_(dq_b, li.launch.q_span, li.q_index, dq_t, li.launch.q_ranges)
+                        add_rows_(dq_b, li.q_where(), dq_t)
                     if first and fill_kv:
                         rows(own_dkv[0], b).copy_(dk_t)
                         rows(own_dkv[1], b).copy_(dv_t)
                     else:
-                        block_grads.append((b, li.launch.k_span, li.k_index, dk_t, dv_t, li.launch.k_ranges))
+                        block_grads.append((b, li.k_where(), dk_t, dv_t))
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -257,7 +257,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     grads[2][ks] = dv_t
                 continue
             _rows(dq_acc, task.q_start, task.q_end, dq_rows[0]).add_(dq_t)
-            block_grads.append((None, ks, None, dk_t, dv_t, ()))
+            block_grads.append((None, ks, dk_t, dv_t))
             del dq_t, dk_t, dv_t
         if t == 0 and keep_local:
             # the local calls are all in: float32 only for the rows and keys others add to
@@ -272,7 +272,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 if _fills_block(block_grads, step.span_len, q.shape[0]):
                     # One launch per batch row took every key of the span: its dK/dV *are* the
                     # accumulator's start (a copy, not a zero fill and an add; the same values).
-                    for b, _, _, dk_t, dv_t, _ in block_grads:
+                    for b, _, dk_t, dv_t in block_grads:
                         rows(travelling[0], b).copy_(dk_t)
                         rows(travelling[1], b).copy_(dv_t)
                     block_grads = []
@@ -282,13 +282,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             else:
                 comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
             dkv_works = None
-        for b, ks, index, dk_t, dv_t, k_ranges in block_grads:
-            if b is None:
-                travelling[0][ks] += dk_t
-                travelling[1][ks] += dv_t
+        for b, where, dk_t, dv_t in block_grads:
+            if b is None:  # a task's keys (a slice)
+                travelling[0][where] += dk_t
+                travelling[1][where] += dv_t
             else:  # a launch's keys (rows form; a key two of its sequences share gets both shares)
-                add_rows_(rows(travelling[0], b), ks, index, dk_t, k_ranges)
-                add_rows_(rows(travelling[1], b), ks, index, dv_t, k_ranges)
+                add_rows_(rows(travelling[0], b), where, dk_t)
+                add_rows_(rows(travelling[1], b), where, dv_t)
         del block_grads
         if t > 0 and moves:
             if t not in plan.chain_ends:

@@ -70,7 +70,12 @@ def device_type(q, target: Optional[Target]) -> str:
 @dataclass(frozen=True)
 class VarlenSeqs:
     """The sequences of one varlen call: cumulative lengths on the host (cu_q, cu_k) and as int32
-    tensors on the device (cu_q_t, cu_k_t), and the longest query and key lengths."""
+    tensors on the device (cu_q_t, cu_k_t), and the longest query and key lengths.
+
+    `used_q` / `used_k` (kernels with `varlen_gaps` only): sequence i takes rows
+    [cu_q[i], cu_q[i] + used_q[i]) (keys likewise), leaving the rows up to cu_q[i + 1] out (FA4's
+    seqused_q / seqused_k): a launch then reads rows and keys that lie apart in place, as views,
+    instead of gathering them. What the kernel returns for left-out rows and keys is undefined."""
 
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
@@ -78,12 +83,24 @@ class VarlenSeqs:
     cu_k_t: torch.Tensor
     max_q: int
     max_k: int
+    used_q: Optional[tuple[int, ...]] = None
+    used_k: Optional[tuple[int, ...]] = None
+    used_q_t: Optional[torch.Tensor] = None
+    used_k_t: Optional[torch.Tensor] = None
+
+    def bounds(self) -> list[tuple[int, int, int, int]]:
+        """(row start, row end, key start, key end) of each sequence."""
+        n = len(self.cu_q) - 1
+        used_q = self.used_q or [b - a for a, b in zip(self.cu_q, self.cu_q[1:])]
+        used_k = self.used_k or [b - a for a, b in zip(self.cu_k, self.cu_k[1:])]
+        return [(self.cu_q[i], self.cu_q[i] + used_q[i], self.cu_k[i], self.cu_k[i] + used_k[i]) for i in range(n)]
 
 
 class Kernel:
     name = "kernel"
     supports_varlen = False  # takes varlen_forward/varlen_backward
     varlen_one_launch = False  # ... in one kernel launch (else a loop over the sequences)
+    varlen_gaps = False  # ... whose sequences may leave rows and keys out between them (VarlenSeqs.used_q)
     takes_softcap = False
     takes_sinks = False  # forward(sink=...)
     takes_value_head_dim = False  # v's head dim may differ from q's and k's
@@ -118,26 +135,43 @@ class Kernel:
 
     # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
+        gaps = seqs.used_q is not None
         outs, lses = [], []
-        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+        if gaps:  # rows left out: zeros, lse -inf (undefined for one-launch kernels)
+            out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+            lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+        for qa, qb, ka, kb in seqs.bounds():
             band = Band.from_aligned_window(qb - qa, kb - ka, window)
             o, l = self.forward(rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]), rows_to_block(v[ka:kb]),
                                 band.lo, band.hi, scale, softcap=softcap, sink=sink)
+            if gaps:
+                out[qa:qb], lse_all[:, qa:qb] = block_to_rows(o), l[0]
+                continue
             outs.append(block_to_rows(o))
             lses.append(l[0])
+        if gaps:
+            return out, lse_all
         return torch.cat(outs), torch.cat(lses, dim=1)
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
+        gaps = seqs.used_q is not None or seqs.used_k is not None
+        if gaps:  # rows and keys left out: zeros (undefined for one-launch kernels)
+            dq_all, dk_all, dv_all = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dqs, dks, dvs = [], [], []
-        for qa, qb, ka, kb in zip(seqs.cu_q, seqs.cu_q[1:], seqs.cu_k, seqs.cu_k[1:]):
+        for qa, qb, ka, kb in seqs.bounds():
             band = Band.from_aligned_window(qb - qa, kb - ka, window)
             dq, dk, dv = self.backward(
                 rows_to_block(dout[qa:qb]), rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]),
                 rows_to_block(v[ka:kb]), rows_to_block(out[qa:qb]), lse[None, :, qa:qb], band.lo, band.hi, scale,
                 softcap=softcap)
+            if gaps:  # (keys of distinct sequences are distinct: VarlenSeqs' contract with gaps)
+                dq_all[qa:qb], dk_all[ka:kb], dv_all[ka:kb] = block_to_rows(dq), block_to_rows(dk), block_to_rows(dv)
+                continue
             dqs.append(block_to_rows(dq))
             dks.append(block_to_rows(dk))
             dvs.append(block_to_rows(dv))
+        if gaps:
+            return dq_all, dk_all, dv_all
         return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
 
 

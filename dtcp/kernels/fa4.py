@@ -222,6 +222,7 @@ class Fa4Kernel(Kernel):
     name = "fa4"
     supports_varlen = True
     varlen_one_launch = True  # _flash_attn_fwd/_bwd with cu_seqlens
+    varlen_gaps = True  # ... and seqused_q / seqused_k (tests/gpu/test_one_gpu_ranks.py checks them)
     takes_softcap = True
     takes_sinks = True
     takes_value_head_dim = True
@@ -317,6 +318,7 @@ class Fa4Kernel(Kernel):
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
         res = _interface()._flash_attn_fwd(
             q, k, v, cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
             max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, softmax_scale=scale,
             softcap=None if softcap is None else float(softcap),
             learnable_sink=None if sink is None else sink.to(device=q.device, dtype=torch.float32).contiguous(),
@@ -329,6 +331,7 @@ class Fa4Kernel(Kernel):
             q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32), softmax_scale=scale,
             softcap=0.0 if softcap is None else float(softcap),
             cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
             max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, **fa4_varlen_window(window),
         )[:3]
         return dq, dk, dv
