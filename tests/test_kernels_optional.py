@@ -305,11 +305,34 @@ class FakeFa4:
         self.inputs = []
 
     @staticmethod
-    def _pieces(x, cu, b_dim):
+    def _bounds(cu, used):
+        """Sequence i's rows: [cu[i], cu[i + 1]), or [cu[i], cu[i] + used[i]) with seqused."""
+        cu = cu.tolist()
+        if used is None:
+            return list(zip(cu, cu[1:]))
+        assert used.dtype == torch.int32 and used.is_contiguous() and len(used) == len(cu) - 1
+        bounds = [(a, a + u) for a, u in zip(cu, used.tolist())]
+        assert all(b <= c for (_, b), c in zip(bounds, cu[1:])), (cu, used)
+        return bounds
+
+    @classmethod
+    def _pieces(cls, x, cu, b_dim, used=None):
         if cu is None:
             return [x[i] for i in range(x.shape[0])]
-        cu = cu.tolist()
-        return [x[a:b] for a, b in zip(cu, cu[1:])]
+        return [x[a:b] for a, b in cls._bounds(cu, used)]
+
+    @classmethod
+    def _placed(cls, pieces, cu, used, total, dim=0):
+        """The pieces at their sequences' rows along `dim`; rows left out by seqused are NaN (what
+        FA4 leaves there is undefined: a read of them must show)."""
+        if used is None:
+            return torch.cat(pieces, dim)
+        shape = list(pieces[0].shape)
+        shape[dim] = total
+        out = torch.full(shape, float("nan"), dtype=pieces[0].dtype)
+        for (a, b), piece in zip(cls._bounds(cu, used), pieces):
+            out.narrow(dim, a, b - a).copy_(piece)
+        return out
 
     @staticmethod
     def _scores(q, k, scale, softcap, causal, left, right):
@@ -336,8 +359,8 @@ class FakeFa4:
             assert t is None or t.dtype == torch.int32
         self.inputs.append((q, k, v))
         outs, lses = [], []
-        for qs, ks, vs in zip(self._pieces(q, cu_seqlens_q, 0), self._pieces(k, cu_seqlens_k, 0),
-                              self._pieces(v, cu_seqlens_k, 0)):
+        for qs, ks, vs in zip(self._pieces(q, cu_seqlens_q, 0, seqused_q), self._pieces(k, cu_seqlens_k, 0, seqused_k),
+                              self._pieces(v, cu_seqlens_k, 0, seqused_k)):
             s, _, g = self._scores(qs, ks, softmax_scale, softcap, causal, window_size_left, window_size_right)
             if learnable_sink is not None:
                 s = torch.cat([s, learnable_sink.double()[:, None, None].expand(-1, s.shape[1], 1)], -1)
@@ -347,21 +370,24 @@ class FakeFa4:
             lses.append(lse.float())
         if cu_seqlens_q is None:
             return torch.stack(outs), torch.stack(lses), None, None, None
-        return torch.cat(outs), torch.cat(lses, 1), None, None, None
+        return (self._placed(outs, cu_seqlens_q, seqused_q, q.shape[0]),
+                self._placed(lses, cu_seqlens_q, seqused_q, q.shape[0], dim=1), None, None, None)
 
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
                         window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                        max_seqlen_q=None, max_seqlen_k=None, **rest):
+                        seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, **rest):
         assert not rest, rest
         assert isinstance(softcap, float), "FA4's backward reads softcap != 0.0: None would be a cap"
         assert q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype and lse.dtype == torch.float32
         self.inputs.append((q, k, v))
         lse_pieces = ([lse[i] for i in range(lse.shape[0])] if cu_seqlens_q is None
-                      else [lse[:, a:b] for a, b in zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:])])
+                      else [lse[:, a:b] for a, b in self._bounds(cu_seqlens_q, seqused_q)])
+        uq, uk = seqused_q, seqused_k
         dqs, dks, dvs = [], [], []
         for qs, ks, vs, os_, dos, ls in zip(
-                self._pieces(q, cu_seqlens_q, 0), self._pieces(k, cu_seqlens_k, 0), self._pieces(v, cu_seqlens_k, 0),
-                self._pieces(out, cu_seqlens_q, 0), self._pieces(dout, cu_seqlens_q, 0), lse_pieces):
+                self._pieces(q, cu_seqlens_q, 0, uq), self._pieces(k, cu_seqlens_k, 0, uk),
+                self._pieces(v, cu_seqlens_k, 0, uk), self._pieces(out, cu_seqlens_q, 0, uq),
+                self._pieces(dout, cu_seqlens_q, 0, uq), lse_pieces):
             s, capped, g = self._scores(qs, ks, softmax_scale, softcap, causal, window_size_left, window_size_right)
             p = torch.exp(s - ls.double()[..., None])
             do = dos.double().transpose(0, 1)  # (H, q, Dv)
@@ -377,8 +403,10 @@ class FakeFa4:
             dqs.append(dq.transpose(0, 1).to(q.dtype))
             dks.append(dk.view(hk, g, *dk.shape[1:]).sum(1).transpose(0, 1).to(k.dtype))
             dvs.append(dv.view(hk, g, *dv.shape[1:]).sum(1).transpose(0, 1).to(v.dtype))
-        join = torch.stack if cu_seqlens_q is None else torch.cat
-        return join(dqs), join(dks), join(dvs)
+        if cu_seqlens_q is None:
+            return torch.stack(dqs), torch.stack(dks), torch.stack(dvs)
+        return (self._placed(dqs, cu_seqlens_q, uq, q.shape[0]), self._placed(dks, cu_seqlens_k, uk, k.shape[0]),
+                self._placed(dvs, cu_seqlens_k, uk, k.shape[0]))
 
 
 @pytest.fixture
@@ -445,15 +473,31 @@ def test_fa4_kernel_passes_views_not_copies(fake_fa4):
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (6, 0), (5, 3)])
 @pytest.mark.parametrize("softcap,sink", [(None, False), (4.0, True)])
-def test_fa4_varlen_matches_the_per_sequence_kernel(fake_fa4, window, softcap, sink):
+@pytest.mark.parametrize("gaps", [(), ("q",), ("k",), ("q", "k")], ids=["packed", "q-gaps", "k-gaps", "gaps"])
+def test_fa4_varlen_matches_the_per_sequence_kernel(fake_fa4, window, softcap, sink, gaps):
+    """One FA4 varlen call equals the per-sequence loop, packed and with rows or keys left out
+    between sequences (seqused_q / seqused_k: the fused ring reads rows that lie apart in place).
+    The stand-in puts NaN on left-out rows, so the comparison reads only the sequences' rows."""
     g = torch.Generator().manual_seed(7)
     lens = [(5, 9), (12, 12), (1, 4), (9, 30)]
-    cu_q = tuple([0] + list(torch.tensor([a for a, _ in lens]).cumsum(0).tolist()))
-    cu_k = tuple([0] + list(torch.tensor([b for _, b in lens]).cumsum(0).tolist()))
-    seqs = VarlenSeqs(cu_q, cu_k, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
-                      max(a for a, _ in lens), max(b for _, b in lens))
+    skip = (3, 0, 2, 1)  # rows (keys) left out before each sequence, where gapped
+
+    def layout(side):  # (cu, used): starts with the gaps, or packed
+        sizes = [lq if side == "q" else lk for lq, lk in lens]
+        if side not in gaps:
+            return tuple([0] + list(torch.tensor(sizes).cumsum(0).tolist())), None
+        starts, pos = [], 0
+        for gap, size in zip(skip, sizes):
+            starts.append(pos + gap)
+            pos += gap + size
+        return tuple(starts) + (pos + 2,), tuple(sizes)  # (2 more rows after the last)
+
+    (cu_q, used_q), (cu_k, used_k) = layout("q"), layout("k")
+    tensor = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    seqs = VarlenSeqs(cu_q, cu_k, tensor(cu_q), tensor(cu_k), max(a for a, _ in lens), max(b for _, b in lens),
+                      used_q, used_k, tensor(used_q), tensor(used_k))
     kern = KERNELS["fa4"]
-    assert kern.reject_varlen_reason(lens, window) is None
+    assert kern.varlen_gaps and kern.reject_varlen_reason(lens, window) is None
     q = torch.randn(cu_q[-1], 4, 16, generator=g, dtype=torch.float64)
     k, v = (torch.randn(cu_k[-1], 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
     dout = torch.randn(cu_q[-1], 4, 16, generator=g, dtype=torch.float64)
@@ -461,12 +505,15 @@ def test_fa4_varlen_matches_the_per_sequence_kernel(fake_fa4, window, softcap, s
     out, lse = kern.varlen_forward(q, k, v, seqs, window, 0.3, softcap=softcap, sink=sinks)
     want_out, want_lse = fa4_mod.Kernel.varlen_forward(kern, q, k, v, seqs, window, 0.3, softcap=softcap, sink=sinks)
     assert lse.shape == (4, cu_q[-1])
-    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    rows = torch.cat([torch.arange(a, b) for a, b, _, _ in seqs.bounds()])
+    keys = torch.cat([torch.arange(c, d) for _, _, c, d in seqs.bounds()])
+    assert out.isnan().any() == ("q" in gaps)  # (the stand-in marks the left-out rows)
+    torch.testing.assert_close(out[rows], want_out[rows], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[:, rows], want_lse[:, rows], rtol=1e-6, atol=1e-6)
     got = kern.varlen_backward(dout, q, k, v, out, lse, seqs, window, 0.3, softcap=softcap)
     want = fa4_mod.Kernel.varlen_backward(kern, dout, q, k, v, out, lse, seqs, window, 0.3, softcap=softcap)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    for a, b, at in zip(got, want, (rows, keys, keys)):
+        torch.testing.assert_close(a[at], b[at], rtol=1e-9, atol=1e-9)
 
 
 def test_fa4_varlen_refuses_sequences_with_keyless_rows():

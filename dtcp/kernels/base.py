@@ -136,15 +136,15 @@ class Kernel:
     # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
         gaps = seqs.used_q is not None
-        outs, lses = [], []
-        if gaps:  # rows left out: zeros, lse -inf (undefined for one-launch kernels)
-            out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
-            lse_all = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+        outs, lses, out = [], [], None
         for qa, qb, ka, kb in seqs.bounds():
             band = Band.from_aligned_window(qb - qa, kb - ka, window)
             o, l = self.forward(rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]), rows_to_block(v[ka:kb]),
                                 band.lo, band.hi, scale, softcap=softcap, sink=sink)
             if gaps:
+                if out is None:  # rows left out: zeros, lse -inf (undefined for one-launch kernels)
+                    out = o.new_zeros((q.shape[0],) + o.shape[1:2] + o.shape[3:])
+                    lse_all = torch.full((l.shape[1], q.shape[0]), float("-inf"), dtype=l.dtype, device=l.device)
                 out[qa:qb], lse_all[:, qa:qb] = block_to_rows(o), l[0]
                 continue
             outs.append(block_to_rows(o))
