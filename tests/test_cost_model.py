@@ -234,8 +234,14 @@ def test_fused_ring_pays_its_accumulators_memory_traffic(docs):
     mask = AttnMask.make(True, (-1, 0), segments_from_cu_seqlens(cu_of(docs), TOTAL))
     plans = ring_plans(dtcp.Balanced(docs), TOTAL // n, n, True, mask)
     fa4 = KERNELS["fa4"]
-    want = max(accumulator_traffic(fused_launches(p, fa4.reject_varlen_reason), TOTAL // n) for p in plans)
+    steps = [fused_launches(p, fa4.reject_varlen_reason) for p in plans]
+    # FA4 reads rows that lie apart in place (varlen gaps): no gather/scatter bytes for them
+    want = max(accumulator_traffic(s, TOTAL // n, gaps=True) for s in steps)
     assert shape.ring_acc_bytes == want and want > 12 * (TOTAL // n)  # later steps merge some rows
+    assert want < max(accumulator_traffic(s, TOTAL // n) for s in steps)  # some rows lie apart
+    with dtcp.config.override(varlen_gaps=False):
+        gathered, _ = shape_of(n, "balanced", docs)
+    assert gathered.ring_acc_bytes == max(accumulator_traffic(s, TOTAL // n) for s in steps)
     plain = dataclasses.replace(shape, ring_acc_bytes=0)
     extra = predict("ring", shape, MACHINE).kernel_s - predict("ring", plain, MACHINE).kernel_s
     elems = shape.q_heads * (shape.head_dim + shape.v_head_dim)

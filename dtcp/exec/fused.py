@@ -94,25 +94,20 @@ def _from(launch: Launch, origin: int) -> Launch:
     return Launch(launch.window, launch.q_ranges, tuple((a - origin, b - origin) for a, b in launch.k_ranges))
 
 
-def _in_order(ranges) -> bool:
-    """Do the ranges lie apart in increasing order (each ends before the next starts)?"""
-    return all(x[1] <= y[0] for x, y in zip(ranges, ranges[1:]))
-
-
 def _indexed(launch: Launch, device, gaps: bool = False) -> LaunchIndex:
     def index(ranges, span):
         if span is not None:
             return None
         return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
 
-    def side(ranges, span, packed):  # (window or None, cu, used or None, index or None)
-        if span is None and gaps and _in_order(ranges):
+    def side(ranges, span, packed, in_order):  # (window or None, cu, used or None, index or None)
+        if span is None and gaps and in_order:
             w0, w1 = ranges[0][0], ranges[-1][1]
             return (w0, w1), tuple(a - w0 for a, _ in ranges) + (w1 - w0,), tuple(b - a for a, b in ranges), None
         return None, packed, None, index(ranges, span)
 
-    q_window, cu_q, used_q, q_index = side(launch.q_ranges, launch.q_span, launch.cu_q)
-    k_window, cu_k, used_k, k_index = side(launch.k_ranges, launch.k_span, launch.cu_k)
+    q_window, cu_q, used_q, q_index = side(launch.q_ranges, launch.q_span, launch.cu_q, launch.q_in_order)
+    k_window, cu_k, used_k, k_index = side(launch.k_ranges, launch.k_span, launch.cu_k, launch.k_in_order)
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
     used = [None if u is None else torch.tensor(u, dtype=torch.int32).to(device) for u in (used_q, used_k)]
     lens = launch.seq_lens

@@ -446,7 +446,8 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
         for seg in rows:
             for rr, plan in enumerate(ring_plans(problem.layout, local_len, n, args.is_causal, masks[seg])):
                 fused = fused_launches(plan, ring_kernel.reject_varlen_reason)
-                per_rank[rr] += accumulator_traffic(fused, local_len) if fused is not None else 0
+                gaps = ring_kernel.varlen_gaps and config.varlen_gaps
+                per_rank[rr] += accumulator_traffic(fused, local_len, gaps) if fused is not None else 0
         ring_acc_bytes = max(per_rank) / batch
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
     ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])

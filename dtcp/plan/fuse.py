@@ -66,6 +66,16 @@ class Launch:
         return _tiling(self.k_ranges)
 
     @cached_property
+    def q_in_order(self) -> bool:
+        """Do the query ranges lie apart in increasing order (a kernel with varlen gaps reads them
+        in place: one window, the rows between left out)?"""
+        return _in_order(self.q_ranges)
+
+    @cached_property
+    def k_in_order(self) -> bool:
+        return _in_order(self.k_ranges)
+
+    @cached_property
     def keys_disjoint(self) -> bool:
         ranges = sorted(self.k_ranges)
         return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
@@ -81,6 +91,10 @@ def _cumulative(ranges) -> tuple[int, ...]:
     for a, b in ranges:
         out.append(out[-1] + b - a)
     return tuple(out)
+
+
+def _in_order(ranges) -> bool:
+    return all(x[1] <= y[0] for x, y in zip(ranges, ranges[1:]))
 
 
 def _tiling(ranges):
@@ -298,13 +312,14 @@ def fused_launches(plan, refuse=None):
 
 
 
-def accumulator_traffic(steps, local_len: int) -> int:
+def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
     """Bytes per (query row x head x head-dim element) that the fused ring's float32 accumulators
     move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels:
     the accumulator started from the local step's first launch where it covers every row (read
     2 bytes, write 4; else a zero fill of 4 and a merge), a merge (read 4 + 2, write 4) for every
     other launch's rows, 16 more where a launch's rows are scattered (gathered in, merged,
-    scattered back), and the final cast (read 4, write 2). `steps`: fused_launches(plan)."""
+    scattered back; not with `gaps`, a kernel that reads rows lying apart in order in place, merged
+    range by range), and the final cast (read 4, write 2). `steps`: fused_launches(plan)."""
     first = steps[0][0] if steps and steps[0] else None
     fill = first is not None and first.q_span == (0, local_len)
     total = (6 if fill else 4) * local_len + 6 * local_len
@@ -313,5 +328,6 @@ def accumulator_traffic(steps, local_len: int) -> int:
             if fill and launch is first:
                 continue
             rows = launch.cu_q[-1]
-            total += 10 * rows + (16 * rows if launch.q_span is None else 0)
+            gathered = launch.q_span is None and not (gaps and launch.q_in_order)
+            total += 10 * rows + (16 * rows if gathered else 0)
     return total
