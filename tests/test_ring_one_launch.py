@@ -250,3 +250,28 @@ def test_one_launch_per_step_exact(n, spec, docs, window, gaps):
         # where fusing saves a launch the step launches ran (fewer than the tasks), else the tasks did
         assert (0 < r["launches"] < r["tasks"]) if r["fused"] else r["launches"] == 0, r
     assert any(r["fused"] for r in results)
+
+
+def test_the_one_gpu_test_reaches_fa4s_gapped_launches():
+    """tests/gpu/test_one_gpu_ranks.py checks FA4's seqused path (rows and keys read in place
+    between gaps) only if its cases make such launches: they do (counted here, on CPU), so that
+    coverage cannot vanish unnoticed when the cases or the layouts change."""
+    import importlib.util
+    import os
+    from dtcp.kernels import KERNELS
+    from dtcp.plan.fuse import fused_launches
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "test_one_gpu_ranks.py")
+    spec = importlib.util.spec_from_file_location("one_gpu_ranks_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gapped = 0
+    for name, make_layout, docs, window in module.CASES:
+        if docs is None:
+            continue
+        for n in (2, 4, 8):
+            mask = AttnMask.make(True, window, segments_of(docs))
+            for plan in ring_plans(make_layout(n, docs), module.S // n, n, True, mask):
+                steps = fused_launches(plan, KERNELS["fa4"].reject_varlen_reason) or ()
+                gapped += sum((launch.q_span is None and launch.q_in_order) or (launch.k_span is None and launch.k_in_order)
+                              for launches in steps for launch in launches)
+    assert gapped >= 10, gapped
