@@ -205,7 +205,7 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gap
         errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
         from dtcp.exec.fused import fused_steps
         fused = fused_steps(route.plan, route.kernel, q.device)
-        gapped = sum(li.q_window is not None or li.k_window is not None for step in fused or () for li in step)
+        gapped = sum(li.q.gapped or li.k.gapped for step in fused or () for li in step)
         return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks),
                 "fused": fused is not None, "gapped": gapped}
     finally:

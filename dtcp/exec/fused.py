@@ -33,28 +33,6 @@ from .merge import merge_into_
 
 
 @dataclass(frozen=True)
-class LaunchIndex:
-    """A launch with what its calls need on the device: how its query rows and keys are taken
-    (a slice where they tile a range; a *window* where they lie apart in order and the kernel
-    takes varlen gaps: the slice from the first to the last, the rows between left out; else an
-    index tensor to gather with) and the varlen cumulative lengths."""
-
-    launch: Launch
-    q_index: Optional[torch.Tensor]
-    k_index: Optional[torch.Tensor]
-    seqs: VarlenSeqs
-    q_window: Optional[tuple[int, int]] = None
-    k_window: Optional[tuple[int, int]] = None
-
-    def q_where(self):
-        """(slice or window, index, ranges) of the query rows: what _pick, _put and add_rows_ take."""
-        return Where(self.launch.q_span or self.q_window, self.q_index, self.launch.q_ranges, self.q_window is not None)
-
-    def k_where(self):
-        return Where(self.launch.k_span or self.k_window, self.k_index, self.launch.k_ranges, self.k_window is not None)
-
-
-@dataclass(frozen=True)
 class Where:
     """Where a launch's rows (or keys) are in a rank's tensor: `span` (start, end) read as one
     slice, when they tile it (`gapped` False) or lie in it apart, in order (`gapped`: a window;
@@ -67,16 +45,39 @@ class Where:
     gapped: bool = False
 
 
+@dataclass(frozen=True)
+class LaunchIndex:
+    """A launch with what its calls need on the device: where its query rows (`q`) and keys
+    (`k`) are taken from (a slice where they tile a range; a window where they lie apart in order
+    and the kernel takes varlen gaps; else an index tensor to gather with) and the varlen
+    cumulative lengths."""
+
+    launch: Launch
+    q: Where
+    k: Where
+    seqs: VarlenSeqs
+
+
 _FUSED: dict = {}
+
+
+def fuses(kernel: Kernel) -> bool:
+    """Does the ring run its steps as varlen launches with this kernel (exec, and the cost model's count)?"""
+    return kernel.varlen_one_launch and config.ring_one_launch
+
+
+def takes_gaps(kernel: Kernel) -> bool:
+    """... and read rows and keys that lie apart, in order, in place (VarlenSeqs.used_q)?"""
+    return kernel.varlen_gaps and config.varlen_gaps
 
 
 def fused_steps(plan: RingPlan, kernel: Kernel, device: torch.device) -> Optional[tuple[tuple[LaunchIndex, ...], ...]]:
     """Each step's launches for `kernel`, or None where the plan runs task by task: the kernel
     has no one-launch varlen form, the setting is off, fusing saves no launch, or the kernel
     refuses a launch."""
-    if not (kernel.varlen_one_launch and config.ring_one_launch):
+    if not fuses(kernel):
         return None
-    gaps = kernel.varlen_gaps and config.varlen_gaps
+    gaps = takes_gaps(kernel)
     key = (id(plan), kernel.name, device, gaps)
     hit = _FUSED.get(key)
     if hit is not None and hit[0] is plan:
@@ -100,20 +101,21 @@ def _indexed(launch: Launch, device, gaps: bool = False) -> LaunchIndex:
             return None
         return torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
 
-    def side(ranges, span, packed, in_order):  # (window or None, cu, used or None, index or None)
+    def side(ranges, span, packed, in_order):  # (Where, cu, used or None)
         if span is None and gaps and in_order:
             w0, w1 = ranges[0][0], ranges[-1][1]
-            return (w0, w1), tuple(a - w0 for a, _ in ranges) + (w1 - w0,), tuple(b - a for a, b in ranges), None
-        return None, packed, None, index(ranges, span)
+            return (Where((w0, w1), None, ranges, True), tuple(a - w0 for a, _ in ranges) + (w1 - w0,),
+                    tuple(b - a for a, b in ranges))
+        return Where(span, index(ranges, span), ranges), packed, None
 
-    q_window, cu_q, used_q, q_index = side(launch.q_ranges, launch.q_span, launch.cu_q, launch.q_in_order)
-    k_window, cu_k, used_k, k_index = side(launch.k_ranges, launch.k_span, launch.cu_k, launch.k_in_order)
+    q_at, cu_q, used_q = side(launch.q_ranges, launch.q_span, launch.cu_q, launch.q_in_order)
+    k_at, cu_k, used_k = side(launch.k_ranges, launch.k_span, launch.cu_k, launch.k_in_order)
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
     used = [None if u is None else torch.tensor(u, dtype=torch.int32).to(device) for u in (used_q, used_k)]
     lens = launch.seq_lens
     seqs = VarlenSeqs(cu_q, cu_k, cu[0], cu[1], max(q for q, _ in lens), max(k for _, k in lens),
                       used_q, used_k, used[0], used[1])
-    return LaunchIndex(launch, q_index, k_index, seqs, q_window, k_window)
+    return LaunchIndex(launch, q_at, k_at, seqs)
 
 
 def fills_rows(launches, local_len: int) -> bool:
@@ -180,15 +182,14 @@ def _pieces(where: Where):
 def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scale, softcap):
     """One launch on one batch row: (out (T, H, Dv), lse (H, T) float32). k_rows/v_rows: the
     held span's keys (the launch counts keys from its start)."""
-    kw = li.k_where()
-    q, k, v = _pick(q_rows, li.q_where()), _pick(k_rows, kw), _pick(v_rows, kw)
+    q, k, v = _pick(q_rows, li.q), _pick(k_rows, li.k), _pick(v_rows, li.k)
     return kernel.varlen_forward(q, k, v, li.seqs, li.launch.window, scale, softcap=softcap)
 
 
 def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse) -> None:
     """Fold a launch's (out (T, H, Dv), lse (H, T)) into one batch row's accumulators:
     out_acc_rows (L, H, Dv), lse_acc (H, L)."""
-    where = li.q_where()
+    where = li.q
     blk_out, blk_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # (1, H, T, Dv), (1, H, T)
     if where.span is not None and not where.gapped:
         a, b = where.span
@@ -210,10 +211,9 @@ def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchI
 def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows, lse_b, li: LaunchIndex,
                     scale, softcap):
     """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L)."""
-    qw, kw = li.q_where(), li.k_where()
-    q, dout, out = (_pick(x, qw) for x in (q_rows, dout_rows, out_rows))
-    k, v = _pick(k_rows, kw), _pick(v_rows, kw)
-    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, qw), li.seqs, li.launch.window, scale,
+    q, dout, out = (_pick(x, li.q) for x in (q_rows, dout_rows, out_rows))
+    k, v = _pick(k_rows, li.k), _pick(v_rows, li.k)
+    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, li.q), li.seqs, li.launch.window, scale,
                                   softcap=softcap)
 
 

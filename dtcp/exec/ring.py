@@ -165,8 +165,8 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
 
 def _fills_block(block_grads, span_len: int, batch: int) -> bool:
     """Is a step's dK/dV one launch per batch row over every key of the held span, in order?"""
-    return (len(block_grads) == batch and sorted(g[0] for g in block_grads if g[0] is not None) == list(range(batch))
-            and all(g[0] is not None and not g[1].gapped and g[1].span == (0, span_len) for g in block_grads))
+    return (all(b is not None and not where.gapped and where.span == (0, span_len) for b, where, _, _ in block_grads)
+            and sorted(b for b, _, _, _ in block_grads) == list(range(batch)))
 
 
 def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
@@ -234,12 +234,12 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     if first and fill_q:
                         dq_b.copy_(dq_t)
                     else:
-                        add_rows_(dq_b, li.q_where(), dq_t)
+                        add_rows_(dq_b, li.q, dq_t)
                     if first and fill_kv:
                         rows(own_dkv[0], b).copy_(dk_t)
                         rows(own_dkv[1], b).copy_(dv_t)
                     else:
-                        block_grads.append((b, li.k_where(), dk_t, dv_t))
+                        block_grads.append((b, li.k, dk_t, dv_t))
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)

@@ -48,6 +48,7 @@ from ..plan import (
 from ..plan.cost import machine_for, rank as rank_strategies
 from ..plan.fuse import accumulator_traffic, fused_launches
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
+from .fused import fuses, takes_gaps
 from .ring import ring_backward, ring_forward
 from .ulysses import to_heads, to_sequence
 
@@ -441,12 +442,12 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
 
     ring_pairs, total_pairs = per_row(ring_plans)
     ring_acc_bytes = 0
-    if ring_kernel is not None and ring_kernel.varlen_one_launch and config.ring_one_launch:
+    if ring_kernel is not None and fuses(ring_kernel):
         per_rank = [0] * n
+        gaps = takes_gaps(ring_kernel)
         for seg in rows:
             for rr, plan in enumerate(ring_plans(problem.layout, local_len, n, args.is_causal, masks[seg])):
                 fused = fused_launches(plan, ring_kernel.reject_varlen_reason)
-                gaps = ring_kernel.varlen_gaps and config.varlen_gaps
                 per_rank[rr] += accumulator_traffic(fused, local_len, gaps) if fused is not None else 0
         ring_acc_bytes = max(per_rank) / batch
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
@@ -491,7 +492,7 @@ def _launches(plan, kernel: Kernel) -> tuple[int, int]:
     if isinstance(plan, VarlenPlan):
         rows = sum(q_len for q_len, _ in plan.seq_lens)
         return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
-    if isinstance(plan, RingPlan) and kernel.varlen_one_launch and config.ring_one_launch:
+    if isinstance(plan, RingPlan) and fuses(kernel):
         fused = fused_launches(plan, kernel.reject_varlen_reason)
         if fused is not None:
             return sum(map(len, fused)), sum(launch.cu_q[-1] for step in fused for launch in step)
