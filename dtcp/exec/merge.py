@@ -10,6 +10,8 @@ noticeable fraction of a ring step). `dtcp.config.merge = "torch"` forces the to
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import config
@@ -21,22 +23,28 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
+                rows_used: Optional[torch.Tensor] = None) -> None:
     """In place: fold one block's (out_blk, lse_blk) into the running (out_acc, lse_acc).
 
     out_acc: (B, H, L, D) float32/float64, lse_acc: (B, H, L) same dtype (-inf where no key yet).
     out_blk: (B, H, L, D) any float dtype, lse_blk: (B, H, L). Rows where both are -inf stay
-    (0, -inf) instead of turning into NaN.
+    (0, -inf) instead of turning into NaN. rows_used: (L,) bool or None; where False the
+    accumulators stay as they are and the block's values there are not used (any value, NaN
+    included: a kernel's rows left unwritten).
     """
     if config.merge == "triton" and triton is None:
         raise RuntimeError("dtcp.config.merge='triton' but triton is not installed; use 'auto' or 'torch'")
     if _use_triton(out_acc, lse_acc, out_blk, lse_blk):
-        _merge_triton(out_acc, lse_acc, out_blk, lse_blk)
+        _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used)
     else:
-        _merge_torch(out_acc, lse_acc, out_blk, lse_blk)
+        _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used)
 
 
-def _merge_torch(out_acc, lse_acc, out_blk, lse_blk):
+def _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used=None):
+    if rows_used is not None:  # unused rows: no keys (lse -inf), value 0 (not NaN * 0)
+        lse_blk = torch.where(rows_used, lse_blk, float("-inf"))
+        out_blk = torch.where(rows_used.unsqueeze(-1), out_blk, 0)
     lse_blk = lse_blk.to(lse_acc.dtype)
     new_lse = torch.logaddexp(lse_acc, lse_blk)
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
@@ -66,8 +74,8 @@ if triton is not None:
         out_ptr, lse_ptr, blk_ptr, blk_lse_ptr,
         H, L, D,
         so_b, so_h, so_l, sl_b, sl_h, sl_l,
-        sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l,
-        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+        sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l, used_ptr,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_USED: tl.constexpr,
     ):
         bh = tl.program_id(0)
         b = bh // H
@@ -75,6 +83,8 @@ if triton is not None:
         rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
         cols = tl.arange(0, BLOCK_D)
         rmask = rows < L
+        if HAS_USED:  # rows left out are neither read nor written
+            rmask = rmask & (tl.load(used_ptr + rows, mask=rmask, other=0) != 0)
         mask = rmask[:, None] & (cols[None, :] < D)
 
         lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=rmask, other=float("-inf"))
@@ -94,7 +104,7 @@ if triton is not None:
         tl.store(o_ptrs, o, mask=mask)
         tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, m + tl.log(total), mask=rmask)
 
-    def _merge_triton(out_acc, lse_acc, out_blk, lse_blk):
+    def _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used=None):
         bsz, h, l, d = out_acc.shape
         block_d = triton.next_power_of_2(d)
         block_l = max(1, 4096 // block_d)
@@ -105,7 +115,8 @@ if triton is not None:
             lse_acc.stride(0), lse_acc.stride(1), lse_acc.stride(2),
             out_blk.stride(0), out_blk.stride(1), out_blk.stride(2),
             lse_blk.stride(0), lse_blk.stride(1), lse_blk.stride(2),
-            BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+            lse_acc if rows_used is None else rows_used.view(torch.uint8),  # (any pointer when unused)
+            BLOCK_L=block_l, BLOCK_D=block_d, HAS_USED=rows_used is not None, num_warps=4,
         )
 
 

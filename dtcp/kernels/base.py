@@ -142,9 +142,9 @@ class Kernel:
             o, l = self.forward(rows_to_block(q[qa:qb]), rows_to_block(k[ka:kb]), rows_to_block(v[ka:kb]),
                                 band.lo, band.hi, scale, softcap=softcap, sink=sink)
             if gaps:
-                if out is None:  # rows left out: zeros, lse -inf (undefined for one-launch kernels)
-                    out = o.new_zeros((q.shape[0],) + o.shape[1:2] + o.shape[3:])
-                    lse_all = torch.full((l.shape[1], q.shape[0]), float("-inf"), dtype=l.dtype, device=l.device)
+                if out is None:  # rows left out: NaN, as undefined as a one-launch kernel leaves them
+                    out = o.new_full((q.shape[0],) + o.shape[1:2] + o.shape[3:], float("nan"))
+                    lse_all = torch.full((l.shape[1], q.shape[0]), float("nan"), dtype=l.dtype, device=l.device)
                 out[qa:qb], lse_all[:, qa:qb] = block_to_rows(o), l[0]
                 continue
             outs.append(block_to_rows(o))
@@ -155,8 +155,8 @@ class Kernel:
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
         gaps = seqs.used_q is not None or seqs.used_k is not None
-        if gaps:  # rows and keys left out: zeros (undefined for one-launch kernels)
-            dq_all, dk_all, dv_all = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if gaps:  # rows and keys left out: NaN, as undefined as a one-launch kernel leaves them
+            dq_all, dk_all, dv_all = (torch.full_like(x, float("nan")) for x in (q, k, v))
         dqs, dks, dvs = [], [], []
         for qa, qb, ka, kb in seqs.bounds():
             band = Band.from_aligned_window(qb - qa, kb - ka, window)

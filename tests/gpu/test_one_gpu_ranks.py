@@ -35,6 +35,16 @@ def long_tailed(total, seed, floor=64):
     return tuple(d for d in docs if d > 0)
 
 
+def in_sixteens(docs, total=S):
+    """docs with lengths rounded to multiples of 16, summing to `total` (DocZigzag without
+    padding for N up to 8: each document cut into 2N equal chunks)."""
+    out = [max(16, round(d / 16) * 16) for d in docs]
+    while sum(out) > total:
+        out[out.index(max(out))] -= 16
+    out[-1] += total - sum(out)
+    return tuple(out)
+
+
 def _cu(docs):
     out = [0]
     for n in docs:
@@ -66,6 +76,9 @@ CASES = [  # (name, layout for n ranks, documents, window)
     ("documents balanced", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), long_tailed(S, 1), (-1, 0)),
     ("documents balanced 2", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), long_tailed(S, 4), (-1, 0)),
     ("equal documents balanced", lambda n, docs: dtcp.Balanced(docs, min_chunk=64), (512,) * 8, (-1, 0)),
+    # ~50 documents a step's launch, rows and keys apart in order: FA4 reads them in place and the
+    # merges and dK/dV adds run once over the window with a row mask (the rows between unwritten)
+    ("documents doczigzag", lambda n, docs: dtcp.DocZigzag(docs), in_sixteens(long_tailed(S, 1)), (-1, 0)),
     ("window contiguous", lambda n, docs: dtcp.Contiguous(), None, (300, 0)),
     ("window documents contiguous", lambda n, docs: dtcp.Contiguous(), long_tailed(S, 2), (300, 0)),
 ]
@@ -124,3 +137,29 @@ def within_the_kernels_own_error(schedule, backend, n, name, make_layout, docs, 
             worst = max(worst, ratio)
             assert ring_err <= 1.5 * own_err, (name, n, backend, r, key, ring_err, own_err)
     print(f"\n{schedule.__name__} {backend} n={n} {name}: worst schedule/kernel error ratio {worst:.3f}")
+
+
+def test_triton_merge_with_a_row_mask():
+    """The fused Triton merge with a row mask (gapped launches over many ranges): rows left out
+    keep the accumulators bit for bit, whatever the block holds there (NaN here); the others
+    equal the torch merge."""
+    from dtcp.exec import merge as M
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h, length, d = 4, 1000, 128
+    out = torch.randn(1, h, length, d, device="cuda", generator=g)
+    lse = torch.randn(1, h, length, device="cuda", generator=g)
+    out[:, :, :50], lse[:, :, :50] = 0.0, float("-inf")  # rows that have seen no key yet
+    blk = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
+    blk_lse = torch.randn(1, h, length, device="cuda", generator=g)
+    used = torch.rand(length, device="cuda", generator=g) < 0.6
+    blk[:, :, ~used] = float("nan")
+    blk_lse[:, :, ~used] = float("nan")
+    assert M._use_triton(out, lse, blk, blk_lse)
+    got_out, got_lse = out.clone(), lse.clone()
+    M.merge_into_(got_out, got_lse, blk, blk_lse, rows_used=used)
+    want_out, want_lse = out.clone(), lse.clone()
+    M._merge_torch(want_out, want_lse, blk, blk_lse, rows_used=used)
+    assert torch.equal(got_out[:, :, ~used], out[:, :, ~used]) and torch.equal(got_lse[:, :, ~used], lse[:, :, ~used])
+    assert not got_out.isnan().any() and not got_lse.isnan().any()
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
