@@ -281,3 +281,56 @@ def test_the_one_gpu_test_reaches_fa4s_gapped_launches():
                 gapped += sum((launch.q_span is None and launch.q_in_order) or (launch.k_span is None and launch.k_in_order)
                               for launches in steps for launch in launches)
     assert gapped >= 10, gapped
+
+
+def lone_launch_results(docs, dtype_name):
+    """ring_attention in bf16 with one-launch steps, twice: as it runs, and with the lone-launch
+    shortcut off (float32 accumulators everywhere). Returns (this rank's pass is one launch,
+    its dK/dV return no share from others, results bitwise equal)."""
+    import dtcp.exec.ring as ring_mod
+    from dtcp.kernels.math import MathKernel
+    from dtcp.exec.fused import fused_steps, lone_launch
+    dtcp.exec.route.clear_routes()
+    MathKernel.varlen_one_launch = True
+    try:
+        layout = dtcp.Balanced(docs)
+        n, s = dist.get_world_size(), sum(docs)
+        g = torch.Generator().manual_seed(5)
+        full = [torch.randn(1, h, s, 16, generator=g).to(getattr(torch, dtype_name)) for h in (4, 2, 2, 4)]
+        results = []
+        for shortcut in (True, False):
+            if not shortcut:
+                ring_mod.lone_launch = lambda fused, local_len: False
+            local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
+            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, return_lse=True, enable_gqa=True,
+                                           strategy="ring", backend="math")
+            out.backward(layout.shard(full[3], dim=2))
+            results.append((out, lse, *(t.grad for t in local)))
+        from dtcp.exec.route import _routes_of
+        from dtcp.comm import state_of
+        route = next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
+        fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
+        keys = route.plan.returned_keys
+        return {"lone": lone_launch(fused, s // n), "keys_return": keys[0] < keys[1],
+                "bitwise": all(torch.equal(a, b) for a, b in zip(*results)),
+                "dtypes": [str(x.dtype) for x in results[0]]}
+    finally:
+        ring_mod.lone_launch = dtcp.exec.fused.lone_launch
+        MathKernel.varlen_one_launch = False
+        dtcp.exec.route.clear_routes()
+
+
+@pytest.mark.parametrize("docs,lone_ranks", [((8, 8, 8, 8), 2), ((8, 8, 8), 1)], ids=["all-whole", "one-split"])
+def test_a_lone_launch_is_its_own_result(docs, lone_ranks):
+    """A rank whose whole pass is one launch over every row (documents held whole) takes that
+    launch's out, dq (and dK/dV when no other rank's share comes home) as they are, without
+    float32 accumulators: bitwise what the accumulators give, in bf16. (8, 8, 8) over 2 ranks
+    splits the third document: rank 0's pass is one launch, but rank 1's share of its keys comes
+    home, so its dK/dV still sum in float32."""
+    results = run_ranks(2, lone_launch_results, docs, "bfloat16")
+    assert sum(r["lone"] for r in results) == lone_ranks, results
+    if len(docs) == 3:
+        assert results[0]["lone"] and results[0]["keys_return"], results
+    for r in results:
+        assert r["bitwise"], r
+        assert r["dtypes"][0] == "torch.bfloat16", r

@@ -138,6 +138,11 @@ def fills_rows(launches, local_len: int) -> bool:
     return bool(launches) and launches[0].launch.q_span == (0, local_len)
 
 
+def lone_launch(fused, local_len: int) -> bool:
+    """Is a fused pass (fused_steps) one launch in all, over every query row of the rank?"""
+    return fused is not None and sum(map(len, fused)) == 1 and fills_rows(fused[0], local_len)
+
+
 def fills_keys(launches, kv_len: int) -> bool:
     """Does a step's first launch take every key of the block, in order, each once?"""
     return bool(launches) and launches[0].launch.k_span == (0, kv_len)
