@@ -248,12 +248,12 @@ def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
     """acc_rows[rows] += grad along dim 0 (rows: `where`; gathered ranges may repeat: each range's
     share is added, in order)."""
     if where.span is not None and not where.gapped:
-        acc_rows[where.span[0]:where.span[1]] += grad
+        acc_rows[where.span[0]:where.span[1]].add_(grad)
     elif where.used is not None:  # the whole window, the rows between (any value: the kernel left them) as zeros
         used = where.used.view(-1, *(1,) * (grad.dim() - 1))
-        acc_rows[where.span[0]:where.span[1]] += torch.where(used, grad, 0)
+        acc_rows[where.span[0]:where.span[1]].add_(torch.where(used, grad, 0))
     elif where.gapped or (len(where.ranges) <= MAX_RANGES and where.ranges):
         for a, b, c, d in _pieces(where):
-            acc_rows[a:b] += grad[c:d]
+            acc_rows[a:b].add_(grad[c:d])  # (not `+=` on a slice: that adds, then copies back onto itself)
     else:
         acc_rows.index_add_(0, where.index, grad.to(acc_rows.dtype))

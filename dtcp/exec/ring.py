@@ -79,6 +79,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     out_shape = q.shape[:-1] + v.shape[-1:]
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(_slot_like(local, plan), "kv") if plan.num_rounds else []
+    fit = _fitter(comm)
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
     # When the local step's calls are disjoint (one over the whole block, or one per document),
     # the rows no later step touches keep their call's output as the kernel returned it (rounded
@@ -107,7 +108,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     for t, step in enumerate(plan.steps):
         works = None
         if t < plan.num_rounds:
-            works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
+            works, nxt = _send_next_block(comm, fit, plan, t, cur, local, spare)
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
         if fused is not None:
@@ -173,13 +174,27 @@ def _fills_block(block_grads, span_len: int, batch: int) -> bool:
             and sorted(b for b, _, _, _ in block_grads) == list(range(batch)))
 
 
-def _send_next_block(comm, plan: RingPlan, t: int, cur, local, spare):
+def _fitter(comm):
+    """comm.fit for one ring call, each (slots, slot, shapes) fitted once: a step's receive views
+    repeat every other step (one slot, one span length), and making them is host time."""
+    fitted: dict = {}
+
+    def fit(slots, i: int, shapes, kind: str):
+        key = (kind, i, tuple(shapes))
+        views = fitted.get(key)
+        if views is None:
+            views = fitted[key] = comm.fit(slots[i], shapes, kind)
+        return views
+    return fit
+
+
+def _send_next_block(comm, fit, plan: RingPlan, t: int, cur, local, spare):
     """Start the K/V transfer for step t + 1: forward the span held (a chain's span is the same
     at every hop), or at the start of a chain this rank's own block's span. Returns (what
     comm.wait takes, the receive views: step t + 1's span of the next block)."""
     nxt_step = plan.steps[t + 1]
     send = [_rows(x, *nxt_step.home_span) for x in local] if plan.starts_chain(t + 1) else list(cur)
-    nxt = comm.fit(spare[t % 2], _shapes(local, nxt_step.span_len), "kv")
+    nxt = fit(spare, t % 2, _shapes(local, nxt_step.span_len), "kv")
     return comm.exchange(send, nxt, nxt_step.shift, "kv", t % 2), nxt
 
 
@@ -191,6 +206,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     rounds, local_len = plan.num_rounds, q.shape[2]
     local = cur = (k.contiguous(), v.contiguous())
     spare = comm.spare_buffers(_slot_like(local, plan), "kv") if rounds else []
+    fit = _fitter(comm)
     moves = not isinstance(comm, NoComm)  # NoComm: every step reuses the rank's own block
     # As in the forward: with disjoint local calls, their dq (dK/dV) stand as the kernel
     # returned them except on the rows (keys) other steps add to, which sum in float32.
@@ -221,12 +237,12 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     dkv_works = fixed_rows = None
 
     def grad_slot(i: int, span_len: int) -> list[torch.Tensor]:
-        return comm.fit(dkv_bufs[i], _shapes(local, span_len), "grad")
+        return fit(dkv_bufs, i, _shapes(local, span_len), "grad")
 
     for t, step in enumerate(plan.steps):
         kv_works = None
         if t < rounds:
-            kv_works, nxt = _send_next_block(comm, plan, t, cur, local, spare)
+            kv_works, nxt = _send_next_block(comm, fit, plan, t, cur, local, spare)
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
         block_grads = []  # this step's dK/dV for the span held: (batch row or None, keys, dk, dv) per call
@@ -292,8 +308,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             dkv_works = None
         for b, where, dk_t, dv_t in block_grads:
             if b is None:  # a task's keys (a slice)
-                travelling[0][where] += dk_t
-                travelling[1][where] += dv_t
+                travelling[0][where].add_(dk_t)
+                travelling[1][where].add_(dv_t)
             else:  # a launch's keys (rows form; a key two of its sequences share gets both shares)
                 add_rows_(rows(travelling[0], b), where, dk_t)
                 add_rows_(rows(travelling[1], b), where, dv_t)
