@@ -20,9 +20,9 @@ dispatch to exec.ring / exec.allgather), timed rank by rank:
              rank is timed (the U ranks of a head group run the same shapes).
 
 Timings: CUDA events around forward and backward (or perf_counter on CPU), warmup first (the
-first run also counts kernel calls and compiles FA4's kernels), then the median of up to
-`--iters` iterations (fewer when one takes longer than `--point-seconds`). The forward time is the
-forward part of the same runs. Against the whole sequence on one device with the best kernel (on
+first run also counts kernel calls and compiles FA4's kernels), then the median of `--iters`
+iterations (fewer when they add up to `--point-seconds`; short ones go on, up to 8x `--iters`,
+until they do). The forward time is the forward part of the same runs. Against the whole sequence on one device with the best kernel (on
 CUDA: FlashAttention-4, `dtcp.kernels.KERNELS["fa4"]`, its dense call for causal and windows and
 its varlen call for documents, when importable; else dtcp's "auto" kernel):
 
@@ -437,6 +437,10 @@ def _tasks(plan):
 
 # ---- timing -----------------------------------------------------------------------------------------------
 
+#: a point's timed runs, when they are short: at most this many times --iters (Timer.measure)
+SHORT_RUNS_CAP = 8
+
+
 class Timer:
     def __init__(self, device: torch.device, warmup: int, iters: int, point_seconds: float):
         self.cuda = device.type == "cuda"
@@ -466,7 +470,10 @@ class Timer:
 
     def measure(self, fwd: Callable, bwd: Callable, first: Callable[[], None]) -> dict:
         """`first()` runs once untimed (counting kernel calls; FA4 compiles there), then cheap runs
-        get more warmup, then up to `iters` timed runs (fewer once they add up to point_seconds)."""
+        get more warmup, then up to `iters` timed runs (fewer once they add up to point_seconds);
+        short runs go on until they add up to point_seconds, up to SHORT_RUNS_CAP x iters runs: a
+        pass of a few ms is bound by the host, and its median over 3-7 runs moved by 20-40%
+        between two rounds of the same code on one H100 (docs/performance.md)."""
         self._sync()
         t0 = time.perf_counter()
         first()
@@ -479,7 +486,7 @@ class Timer:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         fwd_ms, tot_ms = [], []
-        for _ in range(self.iters):
+        for _ in range(self.iters * SHORT_RUNS_CAP):
             f, t = self._once(fwd, bwd)
             fwd_ms.append(f)
             tot_ms.append(t)
