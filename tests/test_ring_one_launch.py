@@ -165,6 +165,13 @@ def test_random_tasks_of_random_plans_fuse_exactly():
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 
+def _the_route():
+    """The one route this rank built since clear_routes() (its ring_attention calls share it)."""
+    from dtcp.exec.route import _routes_of
+    from dtcp.comm import state_of
+    return next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
+
+
 def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gaps=False):
     from dtcp.kernels.math import MathKernel
     dtcp.exec.route.clear_routes()  # (pooled rank processes: the route read below must be this call's)
@@ -196,9 +203,7 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gap
         out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window, return_lse=True,
                                        enable_gqa=True, strategy="ring", backend="math", **kwargs)
         out.backward(layout.shard(dout, dim=2))
-        from dtcp.exec.route import _routes_of
-        from dtcp.comm import state_of
-        route = next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
+        route = _the_route()
         steps = route.plan.num_rounds + 1
         got = (out, lse, *(t.grad for t in local))
         want = (out_ref, lse_ref, *(t.grad for t in ref))
@@ -306,9 +311,7 @@ def lone_launch_results(docs, dtype_name):
                                            strategy="ring", backend="math")
             out.backward(layout.shard(full[3], dim=2))
             results.append((out, lse, *(t.grad for t in local)))
-        from dtcp.exec.route import _routes_of
-        from dtcp.comm import state_of
-        route = next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
+        route = _the_route()
         fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
         keys = route.plan.returned_keys
         return {"lone": lone_launch(fused, s // n), "keys_return": keys[0] < keys[1],

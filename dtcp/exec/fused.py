@@ -52,6 +52,11 @@ class Where:
     # With few ranges, range by range moves less memory (a window can be the rank's whole length).
     used: Optional[torch.Tensor] = None
 
+    @property
+    def one_slice(self) -> bool:
+        """Do merges and adds run once over `span` (the rows tile it, or a row mask marks them)?"""
+        return self.span is not None and (not self.gapped or self.used is not None)
+
 
 @dataclass(frozen=True)
 class LaunchIndex:
@@ -213,11 +218,7 @@ def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchI
     out_acc_rows (L, H, Dv), lse_acc (H, L)."""
     where = li.q
     blk_out, blk_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # (1, H, T, Dv), (1, H, T)
-    if where.span is not None and not where.gapped:
-        a, b = where.span
-        merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out, blk_lse)
-        return
-    if where.used is not None:  # the whole window at once; the rows between hold nothing of this launch
+    if where.one_slice:  # (with a row mask: the rows between hold nothing of this launch)
         a, b = where.span
         merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out, blk_lse,
                     rows_used=where.used)
@@ -247,11 +248,10 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
 def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
     """acc_rows[rows] += grad along dim 0 (rows: `where`; gathered ranges may repeat: each range's
     share is added, in order)."""
-    if where.span is not None and not where.gapped:
+    if where.one_slice:
+        if where.used is not None:  # the rows between (any value: the kernel left them) as zeros
+            grad = torch.where(where.used.view(-1, *(1,) * (grad.dim() - 1)), grad, 0)
         acc_rows[where.span[0]:where.span[1]].add_(grad)
-    elif where.used is not None:  # the whole window, the rows between (any value: the kernel left them) as zeros
-        used = where.used.view(-1, *(1,) * (grad.dim() - 1))
-        acc_rows[where.span[0]:where.span[1]].add_(torch.where(used, grad, 0))
     elif where.gapped or (len(where.ranges) <= MAX_RANGES and where.ranges):
         for a, b, c, d in _pieces(where):
             acc_rows[a:b].add_(grad[c:d])  # (not `+=` on a slice: that adds, then copies back onto itself)
