@@ -123,10 +123,10 @@ def lognormal_docs(total: int, seed: int, mu: float = 5.8, sigma: float = 1.25) 
 def test_shared_pieces_first_make_remote_steps_one_range(world_size, mix):
     """The local order (cut chunks, split pieces, then whole documents) is what keeps a remote ring
     step cheap: the K/V span it sends stays inside the sender's shared pieces (whole documents are
-    never sent), and each fused launch takes its query rows or its keys as one range (a view), so
-    at most one side is gathered. In global order whole documents fall between the pieces: the
-    spans covered them and both sides were gathered (log-normal, N = 8: 12.1K keys sent for 3.8K
-    used)."""
+    never sent), and each fused launch takes its query rows and its keys as one range (a view) or
+    as ranges in increasing order, which FA4 reads in place (seqused): nothing is gathered. In
+    global order whole documents fall between the pieces: the spans covered them and both sides
+    were gathered (log-normal, N = 8: 12.1K keys sent for 3.8K used)."""
     from dtcp.kernels import KERNELS
     from dtcp.plan.fuse import fused_launches
     total = 16384 * world_size
@@ -159,8 +159,51 @@ def test_shared_pieces_first_make_remote_steps_one_range(world_size, mix):
             remote += 1
             assert step.span[1] <= shared_len[step.src], (plan.rank, step.src, step.span, shared_len)
             assert len(launches) == 1
-            assert launches[0].q_span is not None or launches[0].k_span is not None, launches[0]
+            # FA4 reads rows and keys that lie apart in place (seqused): nothing is gathered
+            launch = launches[0]
+            assert launch.q_span is not None or launch.q_in_order, launch
+            assert launch.k_span is not None or launch.k_in_order, launch
     assert remote >= world_size  # the test saw remote steps
+
+
+@pytest.mark.parametrize("mix,world_size,seed", [("lognormal", 8, 0), ("lognormal", 8, 1), ("lognormal", 8, 2),
+                                                  ("lognormal", 16, 0), ("lognormal", 16, 1), ("lognormal", 16, 2),
+                                                  ("lognormal", 16, 3), ("pareto", 8, 2)])
+def test_windows_balance_documents_too_short_to_cut_over_all_ranks(mix, world_size, seed):
+    """A document whose causal work is over the mean rank's but which is too short for 2N chunks of
+    MIN_CHUNK tokens used to stay whole (or split at a rank boundary, its second piece seeing the
+    whole first): the most loaded rank held 1.2x to 2.8x the mean on bench_split's log-normal mixes
+    at N = 8 and 16. Balanced now cuts it zigzag-style over a window of g consecutive ranks
+    (cyclically), each chunk still >= MIN_CHUNK, and every rank ends within 2x the tolerance."""
+    from dtcp.layouts.balanced import _causal_pairs, placement_work
+    n, total = world_size, 8192 * world_size
+    docs = lognormal_docs(total, seed) if mix == "lognormal" else pareto_docs(total, seed, alpha=0.8, floor=64)
+    docs = docs[:-1] + (docs[-1] + (-sum(docs)) % n,)
+    work = placement_work(docs, n)
+    mean = sum(work) / n
+    longest = max(docs)
+    # what makes this batch hard: no whole placement can balance it, no cut over all ranks may be made
+    assert _causal_pairs(0, longest) > 1.3 * mean and longest < 2 * n * MIN_CHUNK, (longest, mean)
+    assert max(work) <= (1 + 2 * TOLERANCE) * mean, [round(w / mean, 3) for w in work]
+    placement = balanced_placement(docs, n)
+    windows = 0
+    for i, (ds, de) in enumerate(segments_of(docs)):
+        pieces = {}  # rank -> its runs of this document
+        for r, runs in enumerate(placement):
+            for a, b in runs:
+                if max(a, ds) < min(b, de):
+                    pieces.setdefault(r, []).append((max(a, ds), min(b, de)))
+        ranks = sorted(pieces)
+        if sum(len(p) for p in pieces.values()) == len(ranks):  # whole, or split at rank boundaries
+            continue
+        windows += 1
+        g = len(ranks)
+        assert g < n  # (no document here may be cut over all ranks)
+        assert all(b - a >= MIN_CHUNK for p in pieces.values() for a, b in p), pieces
+        # g consecutive ranks, cyclically: their offsets stay within g - 1 both ways
+        assert any(sorted((s + j) % n for j in range(g)) == ranks for s in range(n)), ranks
+        assert all(len(p) in (1, 2) for p in pieces.values())  # a zigzag pair (touching in the middle)
+    assert windows >= 1
 
 
 def test_spec_round_trip_and_errors():
@@ -202,6 +245,8 @@ CASES = [  # (world size, documents)
     (4, (40, 3, 3, 2, 9, 7)),
     (4, (16,) * 4),
     (8, pareto_docs(96, 1, floor=2)),
+    # windows: documents cut over 2 or 3 consecutive ranks, one of them across ranks 7 and 0
+    (8, (3, 12, 2, 5, 2, 8, 2, 10, 2, 2, 15, 2, 7, 3, 2, 10, 8, 1)),
 ]
 
 
