@@ -58,6 +58,19 @@ TOLERANCE = 0.02
 #: masked), which costs more than the imbalance it removes (measured on H100 with FA4: log-normal
 #: mixes cut into ~200-token chunks ran 4-16x the kernel time of the whole documents)
 MIN_CHUNK = 512
+#: What one ring step with work costs a rank beyond its (query, key) pairs, in min_chunk^2 causal
+#: pairs: a forward and a backward launch cost the host about 1.1-1.4 ms (FA4's Python and dtcp's
+#: merges) and the device about 0.2 ms of fixed work (FA4's backward pre/post-processing, the
+#: accumulators), while FA4 runs 8-11 M pairs per ms at 32/8 heads of 128 dims (measured on one
+#: H100, torch 2.11, FA4 4.0.0b36, 2026-11-27: bench_split's long-tailed mixes at N = 8 and 16,
+#: 128K tokens): about 12 M and 2 M pairs, 46 and 8 x 512^2. The host runs ahead of the device,
+#: so a rank takes about max(host x steps, pairs + device x steps) (`_rank_time`): where its work
+#: is small, the number of steps, not the imbalance, decides, and cutting a short document over
+#: more ranks costs more than it saves. In units of min_chunk^2 because min_chunk is already the
+#: scale below which fixed costs win: a smaller one weighs steps less, and min_chunk=1 balances
+#: the work alone.
+STEP_HOST_CHUNKS = 46
+STEP_DEVICE_CHUNKS = 8
 
 Run = tuple[int, int]
 
@@ -188,19 +201,25 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     by_length = sorted(docs, key=lambda d: (-d[0], d[1]))
     cuttable = sum(1 for length, _, _ in by_length if length >= 2 * n * min_chunk)
     # Every candidate: the k longest cut over all ranks, the rest whole (no communication for
-    # them) or, where that overloads, over windows of a few ranks. Of those within the tolerance,
-    # the one whose ranks share the fewest tokens (what the ring sends: cut chunks and split
-    # pieces); if none is, the most balanced.
-    best = None
+    # them) or, where that overloads a rank, over windows of a few ranks. The fastest by
+    # `_rank_time`; of those within the tolerance of it, the one whose ranks share the fewest
+    # tokens (what the ring sends: cut chunks and split pieces).
+    candidates = []
     for k in _cut_counts(cuttable):
         for windows in (False, True):
-            pieces, work = _place(by_length, k, n, total // n, min_chunk, windows)
-            worst = max(work) * n / max(1, sum(work))
+            pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows)
+            slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
             shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
-            key = (0, shared, worst) if worst <= 1 + TOLERANCE else (1, worst, shared)
-            if best is None or key < best[0]:
-                best = (key, pieces)
-    return tuple(_local_order(p) for p in best[1])
+            candidates.append((slowest, shared, pieces))
+    fastest = min(c[0] for c in candidates)
+    best = min((c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest), key=lambda c: (c[1], c[0]))
+    return tuple(_local_order(p) for p in best[2])
+
+
+def _rank_time(work: float, steps: int, min_chunk: int) -> float:
+    """A rank's time in causal pairs: `work` pairs over `steps` ring steps with work (STEP_HOST_CHUNKS says why)."""
+    unit = min_chunk * min_chunk
+    return max(STEP_HOST_CHUNKS * unit * steps, work + STEP_DEVICE_CHUNKS * unit * steps)
 
 
 def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
@@ -219,12 +238,15 @@ def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
 
 
 def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: bool):
-    """(pieces per rank as (run, group), causal work per rank) when the `cut` longest documents are
-    cut zigzag-style over all ranks and the rest placed whole or, with `windows`, cut over a few
-    consecutive ranks where whole they would overload every rank with room (module docstring)."""
+    """(pieces per rank as (run, group), causal work per rank, ring steps with work per rank) when
+    the `cut` longest documents are cut zigzag-style over all ranks and the rest placed whole or,
+    with `windows`, cut over a few consecutive ranks where whole they would overload every rank
+    with room (module docstring)."""
     tokens, work = [0] * n, [0] * n
     # (run, group): 0 a chunk of a cut document, 1 a piece of a split one, 2 a whole document
     pieces: list[list[tuple[Run, int]]] = [[] for _ in range(n)]
+    # the ring offsets d at which rank r has work (it attends to keys of rank r - d)
+    offsets: list[set[int]] = [set() for _ in range(n)]
 
     def put(rank: int, start: int, a: int, b: int, group: int) -> None:  # offsets [a, b) of the document at `start`
         pieces[rank].append(((start + a, start + b), group))
@@ -233,7 +255,7 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
 
     def cut_over(ranks: list[int], start: int, length: int) -> None:
         """Zigzag over `ranks` (g of them, 2g chunks): the i-th holds chunks i and 2g-1-i, whose
-        causal work sums to the same for every i."""
+        causal work sums to the same for every i; each attends to every other one's low chunk."""
         g = len(ranks)
         base, extra = divmod(length, 2 * g)
         sizes = [base] * (2 * g)
@@ -249,6 +271,8 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
             if size:
                 put(ranks[min(chunk, 2 * g - 1 - chunk)], start, offset, offset + size, 0)
             offset += size
+        for r in ranks:
+            offsets[r].update(_offsets(r, ranks, n))
 
     for length, _, start in by_length[:cut]:
         cut_over(list(range(n)), start, length)
@@ -267,13 +291,14 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         room = [r for r in range(n) if per_rank - tokens[r] >= length]
         home = min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)) if room else None
 
-        def projected(r: int, add_tokens: int, add_work: float, rho=density[i]) -> float:
-            """Rank r's work once it has taken this share and filled its room at the density of
-            the shorter documents still to place."""
-            return work[r] + add_work + rho * (per_rank - tokens[r] - add_tokens)
+        def projected(r: int, add_tokens: float, add_work: float, add_offsets=frozenset(), rho=density[i]) -> float:
+            """Rank r's time (`_rank_time`) once it has taken this share and filled its room at
+            the density of the shorter documents still to place."""
+            filled = work[r] + add_work + rho * (per_rank - tokens[r] - add_tokens)
+            return _rank_time(filled, 1 + len(offsets[r] | add_offsets), min_chunk)
 
-        if windows and (home is None or projected(home, length, whole) > target):
-            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, target, projected)
+        if windows and (home is None or work[home] + whole + density[i] * (per_rank - tokens[home] - length) > target):
+            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, projected)
             if ranks is not None:
                 if len(ranks) == 1:
                     put(ranks[0], start, 0, length, 2)
@@ -284,41 +309,51 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
             put(home, start, 0, length, 2)
         else:
             leftover.append((start, length))
-    # What fits nowhere whole fills the remaining room in rank order, in document order.
+    # What fits nowhere whole fills the remaining room in rank order, in document order; a piece
+    # attends to the pieces before it.
     rank = 0
     for start, length in sorted(leftover):
-        offset = 0
+        offset, holders = 0, []
         while offset < length:
             while per_rank - tokens[rank] == 0:
                 rank += 1
             take = min(length - offset, per_rank - tokens[rank])
             put(rank, start, offset, offset + take, 2 if take == length else 1)
+            offsets[rank].update((rank - h) % n for h in holders if h != rank)
+            holders.append(rank)
             offset += take
-    return pieces, work
+    return pieces, work, [1 + len(o) for o in offsets]
+
+
+def _offsets(rank: int, ranks, n: int) -> set[int]:
+    """The ring offsets at which `rank` attends to the other members of a zigzag cut over `ranks`."""
+    return {(rank - other) % n for other in ranks if other != rank}
 
 
 def _window(length: int, whole: int, home: Optional[int], tokens: list[int], per_rank: int, min_chunk: int,
-            target: float, projected) -> Optional[list[int]]:
+            projected) -> Optional[list[int]]:
     """Where a document that would overload its best whole home (`home`, None: no rank has room
-    for it) goes: the fewest consecutive ranks (cyclically: g ranks need ring offsets up to g - 1
-    both ways, so at most 2(g - 1) rounds, not N - 1) whose most loaded one stays within `target`
-    with its 1/g share, loads as `projected(rank, tokens, work)` gives them once their room is
-    filled; g is at most N and at most length / (2 min_chunk). If no g fits the target, the option
-    (whole on `home`, or a window) whose most loaded rank ends lowest. None: no option has room
-    (the document fills leftover room)."""
+    for it) goes: whole on `home`, or cut over g consecutive ranks (cyclically: g ranks need ring
+    offsets up to g - 1 both ways, so at most 2(g - 1) rounds, not N - 1), whichever leaves its
+    slowest rank fastest by `projected(rank, tokens, work, offsets)`, which counts the steps a cut
+    adds; ties go to the fewer ranks. g is at most N and at most length / (2 min_chunk); g grows
+    only while the slowest rank gets faster. None: no option has room (the document fills
+    leftover room)."""
     n = len(tokens)
-    options = [] if home is None else [(projected(home, length, whole), [home])]
+    best = None if home is None else (projected(home, length, whole), 1, [home])
     for g in range(2, min(n, length // (2 * min_chunk)) + 1):
         share = -(-length // g)
         fits = [w for w in ([(s + i) % n for i in range(g)] for s in range(n if g < n else 1))
                 if all(per_rank - tokens[r] >= share for r in w)]
         if not fits:
             continue
-        worst, ranks = min((max(projected(r, length / g, whole / g) for r in w), w) for w in fits)
-        if worst <= target:
-            return ranks
-        options.append((worst, ranks))
-    return min(options, key=lambda o: (o[0], len(o[1])))[1] if options else None
+        worst, ranks = min((max(projected(r, length / g, whole / g, _offsets(r, w, n)) for r in w), w) for w in fits)
+        if best is not None and worst >= best[0]:
+            if best[1] > 1:
+                break  # more ranks only add steps from here
+            continue
+        best = (worst, g, ranks)
+    return None if best is None else best[2]
 
 
 def _merged(runs: list[Run]) -> tuple[Run, ...]:
@@ -347,3 +382,40 @@ def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk: int = 
                     w += _causal_pairs(lo - ds, hi - ds)
         work.append(w)
     return tuple(work)
+
+
+def placement_steps(doc_lens: tuple[int, ...], world_size: int, min_chunk: int = MIN_CHUNK) -> tuple[int, ...]:
+    """Each rank's ring steps with work under the causal document mask in `balanced_placement`:
+    its local step and every offset d whose block (rank r - d's) holds a key some of its queries
+    see (what `_rank_time` charges; the planner's steps with tasks, see tests/test_balanced.py)."""
+    return steps_of_runs(balanced_placement(doc_lens, world_size, min_chunk), doc_lens)
+
+
+def steps_of_runs(placement, doc_lens) -> tuple[int, ...]:
+    """The ring steps with work of every rank of `placement` (runs per rank) under the causal
+    document mask of `doc_lens`: rank r works at offset d where a document has a token on r after
+    one of its tokens on rank r - d."""
+    n = len(placement)
+    bounds, pos = [], 0
+    for length in doc_lens:
+        bounds.append((pos, pos + length))
+        pos += length
+    first: dict[tuple[int, int], int] = {}  # (document, rank) -> the first and last position there
+    last: dict[tuple[int, int], int] = {}
+    for r, runs in enumerate(placement):
+        for a, b in runs:
+            for i, (ds, de) in enumerate(bounds):
+                lo, hi = max(a, ds), min(b, de)
+                if lo < hi:
+                    first[i, r] = min(first.get((i, r), lo), lo)
+                    last[i, r] = max(last.get((i, r), hi - 1), hi - 1)
+    holders: dict[int, list[int]] = {}
+    for i, r in first:
+        holders.setdefault(i, []).append(r)
+    offsets = [set() for _ in range(n)]
+    for i, ranks in holders.items():
+        for r in ranks:
+            for s in ranks:
+                if s != r and last[i, r] > first[i, s]:
+                    offsets[r].add((r - s) % n)
+    return tuple(1 + len(o) for o in offsets)
