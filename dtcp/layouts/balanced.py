@@ -3,7 +3,7 @@
 Zigzag balances causal work over the whole sequence, not per document: on a long-tailed mix
 (a few long documents, many short ones) one rank can hold 3x another's work. Per-document zigzag
 (DocZigzag) balances exactly but cuts every document into 2N pieces, padded. `Balanced` does
-neither blindly. For the batch's document lengths it picks the fewest documents to cut:
+neither blindly. For the batch's document lengths it builds candidate placements:
 
 * the k longest documents are *cut* zigzag-style into 2N chunks (rank r holds chunks r and
   2N-1-r of each), which balances their causal work exactly; their odd tokens go to the ranks
@@ -11,23 +11,23 @@ neither blindly. For the batch's document lengths it picks the fewest documents 
 * every other document, longest first, is *placed whole* on the rank with the least work among
   those with room for it; what fits nowhere fills the remaining room in rank order, split at rank
   boundaries (a piece then sees its earlier piece one rank back);
-* if that leaves a rank above the tolerance, the placement is tried again with *windows*: a
-  document that would overload its best whole home (or has none) is cut zigzag-style over the
-  fewest consecutive ranks, g of them (2g chunks), whose most loaded one then stays within the
-  mean work. A window needs ring offsets up to g - 1 either way, so at most 2(g - 1) rounds where
-  a cut over all ranks needs N - 1. This is what balances documents too long for one rank's
-  share of work but too short to cut into 2N chunks of `min_chunk` tokens (a log-normal mix of
-  128K tokens over 16 ranks: the most loaded rank 2.3x the mean with whole placement, 1.03x
-  with windows).
+* or, in a second candidate for each k, a document that would overload its best whole home (or
+  has none) goes whole there or is cut zigzag-style over a *window* of g consecutive ranks
+  (cyclically; 2g chunks), whichever makes the slowest of them fastest. A window needs ring
+  offsets up to g - 1 either way where a cut over all ranks needs N - 1: it balances documents
+  too long for one rank's share of work but too short for 2N chunks of `min_chunk` tokens, and
+  spares the other ranks the steps a cut over all of them adds.
 
-k grows (0, 1, 2, 3, 4, 6, 8, ...), each k first without then with windows, until the most
-loaded rank's work is within `TOLERANCE` of the mean; a document is cut over g ranks only if its
-2g chunks hold at least `min_chunk` (default 512) tokens each (smaller pieces cost the kernels
-more than the imbalance they remove). Equal documents that divide evenly are placed whole (no
-communication at all); a long-tailed mix cuts its few long documents, over all ranks or a window.
-Work is counted as a causal mask's (query, key)
-pairs: the placement depends on the documents and N only, never on the mask of one layer, so a
-model mixing window and full layers shards its batch once.
+Each candidate (k = 0, 1, 2, 3, 4, 6, 8, ..., with and without windows) is judged by its slowest
+rank's time, `_rank_time`: its (query, key) pairs plus what its ring steps with work cost the
+host and the device (`STEP_HOST_CHUNKS` says why: on small batches over many ranks the steps,
+not the imbalance, bound a rank). Of the candidates within `TOLERANCE` of the fastest, the one
+whose ranks share the fewest tokens wins. A document is cut over g ranks only if its 2g chunks
+hold at least `min_chunk` (default 512) tokens each (smaller pieces cost the kernels more than
+the imbalance they remove). Equal documents that divide evenly are placed whole (no
+communication at all); a long-tailed mix cuts its few long documents. Work is counted as a
+causal mask's (query, key) pairs: the placement depends on the documents and N only, never on
+the mask of one layer, so a model mixing window and full layers shards its batch once.
 
 No padding: the packed sequence's length must be a multiple of N (pad it with one more
 document). Local order: a rank holds first the chunks of cut documents, then the pieces of split
@@ -62,7 +62,7 @@ MIN_CHUNK = 512
 #: pairs: a forward and a backward launch cost the host about 1.1-1.4 ms (FA4's Python and dtcp's
 #: merges) and the device about 0.2 ms of fixed work (FA4's backward pre/post-processing, the
 #: accumulators), while FA4 runs 8-11 M pairs per ms at 32/8 heads of 128 dims (measured on one
-#: H100, torch 2.11, FA4 4.0.0b36, 2026-11-27: bench_split's long-tailed mixes at N = 8 and 16,
+#: H100, torch 2.11, FA4 4.0.0b36, 2026-11-26: bench_split's long-tailed mixes at N = 8 and 16,
 #: 128K tokens): about 12 M and 2 M pairs, 46 and 8 x 512^2. The host runs ahead of the device,
 #: so a rank takes about max(host x steps, pairs + device x steps) (`_rank_time`): where its work
 #: is small, the number of steps, not the imbalance, decides, and cutting a short document over
