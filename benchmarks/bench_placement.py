@@ -1,0 +1,129 @@
+"""Two Balanced placements of the same batches, timed against each other on one device.
+
+For each point (a bench_split long-tailed case and N), every simulated rank's ring forward +
+backward runs through dtcp's executors with `NoComm` (as in bench_split.py), once with this
+checkout's placement and once with a baseline's: the `balanced.py` of another revision, loaded
+beside this one. The two are timed interleaved on the same machine (each rank: the best of
+`--rounds` medians of `--reps` passes), so host noise that drifts over a run hits both alike.
+Prints the slowest rank's ms for each, the work imbalance and the most steps with work.
+
+    git show f66b0e6:dtcp/layouts/balanced.py > /tmp/balanced_f66b0e6.py
+    python benchmarks/bench_placement.py --baseline /tmp/balanced_f66b0e6.py \\
+        --points pareto-s1:16 lognormal-s1:8 lognormal-s1:16 lognormal-s0:8
+
+Measured on one H100 (2026-11-26): docs/performance.md, "Balanced weighs ring steps".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from fractions import Fraction
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_split as B  # noqa: E402
+import dtcp.layouts.balanced as balanced  # noqa: E402
+from dtcp.comm.p2p import NoComm  # noqa: E402
+from dtcp.exec import route as R  # noqa: E402
+from dtcp.plan import ring as ring_plan  # noqa: E402
+
+
+def load_baseline(path: str):
+    """The baseline's placement function (`_placement(doc_lens, world_size, min_chunk)`)."""
+    spec = importlib.util.spec_from_file_location("dtcp.layouts._baseline_balanced", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "dtcp.layouts"  # its relative imports (.base) resolve in this checkout
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module._placement
+
+
+def rank_passes(case, n: int, placement, device, dtype, min_chunk: int):
+    """One callable per simulated rank (its ring forward + backward) with `placement` in force
+    while the plans are built; plus the point's work imbalance and most steps with work."""
+    current = balanced._placement
+    balanced._placement = placement
+    ring_plan.ring_plans.cache_clear()
+    try:
+        point = B.make_point(case, "balanced", 32, 8, 128, n, "auto", min_chunk)
+        jobs = B.rank_jobs(point, "ring", device, dtype)
+    finally:
+        balanced._placement = current
+        ring_plan.ring_plans.cache_clear()
+    passes = []
+    for job in jobs:
+        g = torch.Generator(device=device).manual_seed(job.rank)
+        q, k, v, dout = (torch.randn(s, device=device, dtype=dtype, generator=g)
+                         for s in (job.q_shape, job.kv_shape, job.kv_shape, job.q_shape))
+
+        def once(job=job, q=q, k=k, v=v, dout=dout, scale=point.args.scale):
+            out, lse, kept = R._forward(job.route, job.plan, q, k, v, scale, job.keep, NoComm(), None)
+            R._backward(job.route, job.plan, dout, q, k, v, out, lse, scale, kept if job.keep else None, NoComm())
+        passes.append(once)
+    works = [j.work for j in jobs]
+    steps = max(1 + sum(1 for s in j.plan.steps[1:] if s.tasks) for j in jobs)
+    return passes, max(works) * len(works) / max(1, sum(works)), steps
+
+
+def median_ms(once, reps: int, device) -> float:
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        once()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", required=True, help="a balanced.py of another revision (git show REV:dtcp/layouts/balanced.py)")
+    p.add_argument("--points", nargs="+", required=True, help="case:N, e.g. lognormal-s1:16 (bench_split's long-tailed cases)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--seq-scale", default="1", help="every length times this (1/512 for a CPU smoke run)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--reps", type=int, default=9)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    scale = float(Fraction(args.seq_scale))
+    min_chunk = max(1, round(balanced.MIN_CHUNK * scale))
+    cases = {c.name: c for c in B.build_cases(scale)}
+    variants = {"baseline": load_baseline(args.baseline), "this": balanced._placement}
+    rows = []
+    with B.local_collectives():
+        for item in args.points:
+            name, n = item.rsplit(":", 1)
+            built = {v: rank_passes(cases[name], int(n), f, device, dtype, min_chunk) for v, f in variants.items()}
+            for passes, _, _ in built.values():  # warm up (kernel compiles, allocator)
+                for once in passes:
+                    once()
+                    once()
+            best = {v: [float("inf")] * len(passes) for v, (passes, _, _) in built.items()}
+            for _ in range(args.rounds):
+                for v, (passes, _, _) in built.items():
+                    for i, once in enumerate(passes):
+                        best[v][i] = min(best[v][i], median_ms(once, args.reps, device))
+            row = dict(case=name, world_size=int(n),
+                       **{f"{v}_ms": max(best[v]) for v in built},
+                       **{f"{v}_imbalance": built[v][1] for v in built},
+                       **{f"{v}_steps": built[v][2] for v in built})
+            rows.append(row)
+            print(f"{name} N={n}: slowest rank baseline {row['baseline_ms']:.2f} ms (imbalance "
+                  f"{row['baseline_imbalance']:.3f}, {row['baseline_steps']} steps) -> this {row['this_ms']:.2f} ms "
+                  f"(imbalance {row['this_imbalance']:.3f}, {row['this_steps']} steps)", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
