@@ -298,8 +298,10 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
 @pytest.mark.parametrize("name,points,left_out,within_5,kernel_within_5", [
     ("split_h100_2026-11-26_documents_grid_a.json.gz", 33, 3, 26, 31),
     ("split_h100_2026-11-26_documents_grid_b.json.gz", 21, 3, 18, 18),
-    # Balanced with windows and steps weighed (the four long-tailed mixes; ring, all-gather, Ulysses)
-    ("split_h100_2026-11-26_balanced_steps.json.gz", 16, 0, 13, 13),
+    # Balanced with windows and steps weighed (the four long-tailed mixes; ring, all-gather, Ulysses;
+    # Pareto s1 at N = 8 is placed otherwise since: the window search stops at the first width
+    # that does not help)
+    ("split_h100_2026-11-26_balanced_steps.json.gz", 15, 1, 12, 12),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-

@@ -45,6 +45,7 @@ structure every batch is a new input, not a new graph under torch.compile.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -71,6 +72,9 @@ MIN_CHUNK = 512
 #: the work alone.
 STEP_HOST_CHUNKS = 46
 STEP_DEVICE_CHUNKS = 8
+#: the most ranks a window cuts a document over (a longer one is cut over all N); it bounds the
+#: placement's search (N windows of each width), which runs on the host once per batch
+WINDOW_RANKS = 8
 
 Run = tuple[int, int]
 
@@ -205,12 +209,19 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     # `_rank_time`; of those within the tolerance of it, the one whose ranks share the fewest
     # tokens (what the ring sends: cut chunks and split pieces).
     candidates = []
+
+    def consider(k: int, windows: bool) -> None:
+        pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows)
+        slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
+        shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
+        candidates.append((slowest, shared, pieces, k))
+
     for k in _cut_counts(cuttable):
-        for windows in (False, True):
-            pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows)
-            slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
-            shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
-            candidates.append((slowest, shared, pieces))
+        consider(k, False)
+    # Windows (a search per overloading document, host time) for the fewest cuts and for the
+    # best k without them only: what windows replace is cuts over all ranks.
+    for k in sorted({0, min(candidates)[3]}):
+        consider(k, True)
     fastest = min(c[0] for c in candidates)
     best = min((c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest), key=lambda c: (c[1], c[0]))
     return tuple(_local_order(p) for p in best[2])
@@ -291,14 +302,17 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         room = [r for r in range(n) if per_rank - tokens[r] >= length]
         home = min(room, key=lambda r: (work[r], -(per_rank - tokens[r]), r)) if room else None
 
-        def projected(r: int, add_tokens: float, add_work: float, add_offsets=frozenset(), rho=density[i]) -> float:
-            """Rank r's time (`_rank_time`) once it has taken this share and filled its room at
-            the density of the shorter documents still to place."""
+        def projected(r: int, add_tokens: float, add_work: float, new_steps: int = 0, rho=density[i]) -> float:
+            """Rank r's time (`_rank_time`) once it has taken this share (and `new_steps` more
+            steps with work) and filled its room at the density of the shorter documents still
+            to place."""
             filled = work[r] + add_work + rho * (per_rank - tokens[r] - add_tokens)
-            return _rank_time(filled, 1 + len(offsets[r] | add_offsets), min_chunk)
+            return _rank_time(filled, 1 + len(offsets[r]) + new_steps, min_chunk)
 
-        if windows and (home is None or work[home] + whole + density[i] * (per_rank - tokens[home] - length) > target):
-            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, projected)
+        # (a window of g >= 2 ranks needs 2g chunks of min_chunk tokens)
+        if windows and length >= 4 * min_chunk and \
+                (home is None or work[home] + whole + density[i] * (per_rank - tokens[home] - length) > target):
+            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, projected, offsets)
             if ranks is not None:
                 if len(ranks) == 1:
                     put(ranks[0], start, 0, length, 2)
@@ -331,27 +345,39 @@ def _offsets(rank: int, ranks, n: int) -> set[int]:
 
 
 def _window(length: int, whole: int, home: Optional[int], tokens: list[int], per_rank: int, min_chunk: int,
-            projected) -> Optional[list[int]]:
+            projected, offsets: list[set[int]]) -> Optional[list[int]]:
     """Where a document that would overload its best whole home (`home`, None: no rank has room
     for it) goes: whole on `home`, or cut over g consecutive ranks (cyclically: g ranks need ring
     offsets up to g - 1 both ways, so at most 2(g - 1) rounds, not N - 1), whichever leaves its
-    slowest rank fastest by `projected(rank, tokens, work, offsets)`, which counts the steps a cut
-    adds; ties go to the fewer ranks. g is at most N and at most length / (2 min_chunk); g grows
-    only while the slowest rank gets faster. None: no option has room (the document fills
-    leftover room)."""
+    slowest rank fastest by `projected(rank, tokens, work, new steps)`, which counts the steps a
+    cut adds to each rank (`offsets`: those it has); ties go to the fewer ranks. g is at most
+    WINDOW_RANKS, N - 1 and length / (2 min_chunk) (over all N ranks is the k longest's cut); g
+    grows only while the slowest rank gets faster (the share of work falls as 1/g, the steps grow
+    with g), which also bounds the search. None: no option has room (the document fills leftover
+    room)."""
     n = len(tokens)
     best = None if home is None else (projected(home, length, whole), 1, [home])
-    for g in range(2, min(n, length // (2 * min_chunk)) + 1):
+    for g in range(2, min(WINDOW_RANKS, n - 1, length // (2 * min_chunk)) + 1):
         share = -(-length // g)
-        fits = [w for w in ([(s + i) % n for i in range(g)] for s in range(n if g < n else 1))
-                if all(per_rank - tokens[r] >= share for r in w)]
+        # each rank's time with its share and no new step: a lower bound that skips most windows
+        bound = [projected(r, length / g, whole / g) for r in range(n)]
+        limit = math.inf if best is None else best[0]
+        fits, worst, ranks = False, math.inf, None
+        for s in range(n):
+            w = [(s + i) % n for i in range(g)]
+            if any(per_rank - tokens[r] < share for r in w):
+                continue
+            fits = True
+            if max(bound[r] for r in w) >= min(limit, worst):
+                continue
+            slowest = max(projected(r, length / g, whole / g, sum(1 for o in w if o != r and (r - o) % n not in offsets[r]))
+                          for r in w)
+            if slowest < worst:
+                worst, ranks = slowest, w
         if not fits:
-            continue
-        worst, ranks = min((max(projected(r, length / g, whole / g, _offsets(r, w, n)) for r in w), w) for w in fits)
-        if best is not None and worst >= best[0]:
-            if best[1] > 1:
-                break  # more ranks only add steps from here
-            continue
+            continue  # no room for a 1/g share: a wider window's smaller share may fit
+        if worst >= limit:
+            break  # a wider window halves less work than it adds steps from here on
         best = (worst, g, ranks)
     return None if best is None else best[2]
 
