@@ -302,6 +302,8 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     # Pareto s1 at N = 8 is placed otherwise since: the window search stops at the first width
     # that does not help)
     ("split_h100_2026-11-26_balanced_steps.json.gz", 15, 1, 12, 12),
+    # the same grid on the final code
+    ("split_h100_2026-11-26_balanced_final_windows.json.gz", 16, 0, 11, 13),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-
