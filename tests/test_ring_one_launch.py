@@ -337,3 +337,26 @@ def test_a_lone_launch_is_its_own_result(docs, lone_ranks):
     for r in results:
         assert r["bitwise"], r
         assert r["dtypes"][0] == "torch.bfloat16", r
+
+
+def test_row_and_receive_views_are_the_plain_views():
+    """`rows` and `fit_views` build their views with one as_strided each (host ops on a host-bound
+    ring): the same elements, strides and storage as x[b].transpose(0, 1) and
+    slot.view(-1)[:n].view(shape), for strided inputs too."""
+    from dtcp.comm.p2p import fit_views
+    from dtcp.exec.fused import rows
+
+    base = torch.randn(3, 4, 12, 6, dtype=torch.float64)
+    for x in (base, base[:, :, 2:9], torch.randn(3, 12, 4, 6, dtype=torch.float64).transpose(1, 2), base[1:]):
+        for b in range(x.shape[0]):
+            want = x[b].transpose(0, 1)
+            got = rows(x, b)
+            assert got.shape == want.shape and got.stride() == want.stride()
+            assert got.data_ptr() == want.data_ptr() and torch.equal(got, want)
+    slot = [torch.randn(120, dtype=torch.float64), torch.randn(60, dtype=torch.float64)]
+    views = fit_views(slot, [(1, 2, 5, 6), (1, 2, 3, 4)])
+    for v, t, shape in zip(views, slot, [(1, 2, 5, 6), (1, 2, 3, 4)]):
+        want = t.view(-1)[:v.numel()].view(shape)
+        assert v.is_contiguous() and v.data_ptr() == t.data_ptr() and torch.equal(v, want)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        fit_views(slot, [(1, 2, 11, 6), (1, 1, 1, 1)])
