@@ -52,7 +52,9 @@ from typing import Optional
 
 from .base import Layout, documents_of, documents_tensor
 
-#: the most loaded rank's causal work may exceed the mean by this fraction before more documents are cut
+#: placements whose slowest rank (`_rank_time`) is within this fraction of the fastest's count as
+#: equally fast (the one sharing the fewest tokens wins); and a document overloads a rank when its
+#: work would pass the mean by more than this (then windows are searched for it)
 TOLERANCE = 0.02
 #: the default `Balanced(min_chunk=)`: a document is cut over g ranks only if its 2g chunks hold at least this
 #: many tokens each: smaller pieces run the kernels far below their rate (a 128-row tile mostly
@@ -370,8 +372,7 @@ def _window(length: int, whole: int, home: Optional[int], tokens: list[int], per
             fits = True
             if max(bound[r] for r in w) >= min(limit, worst):
                 continue
-            slowest = max(projected(r, length / g, whole / g, sum(1 for o in w if o != r and (r - o) % n not in offsets[r]))
-                          for r in w)
+            slowest = max(projected(r, length / g, whole / g, len(_offsets(r, w, n) - offsets[r])) for r in w)
             if slowest < worst:
                 worst, ranks = slowest, w
         if not fits:
@@ -392,21 +393,26 @@ def _merged(runs: list[Run]) -> tuple[Run, ...]:
     return tuple(out)
 
 
-def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk: int = MIN_CHUNK) -> tuple[int, ...]:
-    """Each rank's causal pairs under the document mask in `balanced_placement`."""
+def _doc_pieces(placement, doc_lens):
+    """(rank, document, its start, [lo, hi)) for every piece of a document that `placement`
+    (runs per rank, global positions) puts on a rank; merged runs may cross document boundaries."""
     bounds, pos = [], 0
     for length in doc_lens:
         bounds.append((pos, pos + length))
         pos += length
-    work = []
-    for runs in balanced_placement(doc_lens, world_size, min_chunk):
-        w = 0
+    for r, runs in enumerate(placement):
         for a, b in runs:
-            for ds, de in bounds:  # (merged runs may cross document boundaries)
+            for i, (ds, de) in enumerate(bounds):
                 lo, hi = max(a, ds), min(b, de)
                 if lo < hi:
-                    w += _causal_pairs(lo - ds, hi - ds)
-        work.append(w)
+                    yield r, i, ds, lo, hi
+
+
+def placement_work(doc_lens: tuple[int, ...], world_size: int, min_chunk: int = MIN_CHUNK) -> tuple[int, ...]:
+    """Each rank's causal pairs under the document mask in `balanced_placement`."""
+    work = [0] * world_size
+    for r, _, ds, lo, hi in _doc_pieces(balanced_placement(doc_lens, world_size, min_chunk), doc_lens):
+        work[r] += _causal_pairs(lo - ds, hi - ds)
     return tuple(work)
 
 
@@ -422,19 +428,11 @@ def steps_of_runs(placement, doc_lens) -> tuple[int, ...]:
     document mask of `doc_lens`: rank r works at offset d where a document has a token on r after
     one of its tokens on rank r - d."""
     n = len(placement)
-    bounds, pos = [], 0
-    for length in doc_lens:
-        bounds.append((pos, pos + length))
-        pos += length
     first: dict[tuple[int, int], int] = {}  # (document, rank) -> the first and last position there
     last: dict[tuple[int, int], int] = {}
-    for r, runs in enumerate(placement):
-        for a, b in runs:
-            for i, (ds, de) in enumerate(bounds):
-                lo, hi = max(a, ds), min(b, de)
-                if lo < hi:
-                    first[i, r] = min(first.get((i, r), lo), lo)
-                    last[i, r] = max(last.get((i, r), hi - 1), hi - 1)
+    for r, i, _, lo, hi in _doc_pieces(placement, doc_lens):
+        first[i, r] = min(first.get((i, r), lo), lo)
+        last[i, r] = max(last.get((i, r), hi - 1), hi - 1)
     holders: dict[int, list[int]] = {}
     for i, r in first:
         holders.setdefault(i, []).append(r)
