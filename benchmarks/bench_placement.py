@@ -30,8 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_split as B  # noqa: E402
 import dtcp.layouts.balanced as balanced  # noqa: E402
-from dtcp.comm.p2p import NoComm  # noqa: E402
-from dtcp.exec import route as R  # noqa: E402
 from dtcp.plan import ring as ring_plan  # noqa: E402
 
 
@@ -59,14 +57,8 @@ def rank_passes(case, n: int, placement, device, dtype, min_chunk: int):
         ring_plan.ring_plans.cache_clear()
     passes = []
     for job in jobs:
-        g = torch.Generator(device=device).manual_seed(job.rank)
-        q, k, v, dout = (torch.randn(s, device=device, dtype=dtype, generator=g)
-                         for s in (job.q_shape, job.kv_shape, job.kv_shape, job.q_shape))
-
-        def once(job=job, q=q, k=k, v=v, dout=dout, scale=point.args.scale):
-            out, lse, kept = R._forward(job.route, job.plan, q, k, v, scale, job.keep, NoComm(), None)
-            R._backward(job.route, job.plan, dout, q, k, v, out, lse, scale, kept if job.keep else None, NoComm())
-        passes.append(once)
+        fwd, bwd = B.job_passes(job, device, dtype, point.args.scale)
+        passes.append(lambda fwd=fwd, bwd=bwd: bwd(fwd()))
     works = [j.work for j in jobs]
     steps = max(1 + sum(1 for s in j.plan.steps[1:] if s.tasks) for j in jobs)
     return passes, max(works) * len(works) / max(1, sum(works)), steps

@@ -496,9 +496,9 @@ class Timer:
         return dict(fwd_ms=statistics.median(fwd_ms), ms=statistics.median(tot_ms), iters=len(tot_ms), peak_mib=peak)
 
 
-def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bool = False) -> dict:
-    """Time one simulated rank: its forward and backward through dtcp's executors. `profile`:
-    then print where one forward + backward's device time goes (torch.profiler, top kernels)."""
+def job_passes(job: RankJob, device, dtype, scale: float) -> tuple[Callable, Callable]:
+    """One simulated rank's (forward, backward) through dtcp's executors, on random inputs of its
+    shapes: forward() returns what backward(res) takes."""
     g = torch.Generator(device=device).manual_seed(1234 + job.rank)
     q = torch.randn(job.q_shape, device=device, dtype=dtype, generator=g)
     k = torch.randn(job.kv_shape, device=device, dtype=dtype, generator=g)
@@ -515,6 +515,13 @@ def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bo
         comm = NoComm() if ring else None
         return R._backward(job.route, job.plan, dout, q, k, v, out, lse, scale, kept if job.keep else None, comm)
 
+    return fwd, bwd
+
+
+def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bool = False) -> dict:
+    """Time one simulated rank: its forward and backward through dtcp's executors. `profile`:
+    then print where one forward + backward's device time goes (torch.profiler, top kernels)."""
+    fwd, bwd = job_passes(job, device, dtype, scale)
     counts = {"fwd": 0, "bwd": 0}
 
     def first():
