@@ -33,6 +33,13 @@ its varlen call for documents, when importable; else dtcp's "auto" kernel):
   work        = visible (query, key) pairs x query heads per rank, from the plans (exact, no timing)
   peak MiB    = torch.cuda.max_memory_allocated during one rank's runs (its inputs included)
 
+Where the time goes (each rank's pass run again behind a GPU sleep, so that the host queues it
+all before the device starts: `Timer.device_pass`), for the rank slowest on the device:
+  device      = (one device / N) / slowest rank's device time (host gaps left out: split_device)
+  kern eff    = its attention calls against the one-device call's rate on the same work
+  other ms    = its device time outside the attention calls (dtcp's merges, adds, copies, fills)
+  host ms     = its host time to queue the pass; bound "host" where that exceeds the device time
+
 Auto check: for every (case, heads, N, layout), the strategy `strategy="auto"` would pick (the
 cost model's ranking, `dtcp.exec.route.explain`, which `dtcp.explain` calls; on CUDA with CUDA
 tensors of the call's shapes, on CPU with meta tensors) is compared with the measured slowest-rank
@@ -439,6 +446,8 @@ def _tasks(plan):
 
 #: a point's timed runs, when they are short: at most this many times --iters (Timer.measure)
 SHORT_RUNS_CAP = 8
+#: Timer.device_pass's runs per rank (medians)
+DEVICE_REPS = 3
 
 
 class Timer:
@@ -495,6 +504,111 @@ class Timer:
         peak = torch.cuda.max_memory_allocated() / 2**20 if self.cuda else None
         return dict(fwd_ms=statistics.median(fwd_ms), ms=statistics.median(tot_ms), iters=len(tot_ms), peak_mib=peak)
 
+    def device_pass(self, fwd: Callable, bwd: Callable, kernel, reps: int = DEVICE_REPS) -> dict:
+        """Where one forward + backward's time goes, median of `reps` runs (after `measure`):
+
+          device_ms  the pass on the device alone: it is queued behind a GPU sleep long enough for
+                     the host to queue all of it, so host gaps do not count (a model's other layers
+                     keep the device busy the same way while the host runs ahead)
+          host_ms    the host's time to queue the pass (its Python, dtcp's tensor ops, FA4's)
+          kernel_ms  the attention kernel calls' own device time (events around each call)
+
+        device_ms - kernel_ms is the rest of the device time (dtcp's merges, adds, copies and fills).
+        A pass whose host_ms exceeds its device_ms is bound by the host. On CPU all three are wall
+        times (kernel_ms: the calls' own)."""
+        if not self.cuda:
+            rows = []
+            for _ in range(reps):
+                spent: list = []
+                with timing_calls(kernel, spent, cuda=False):
+                    t0 = time.perf_counter()
+                    bwd(fwd())
+                    wall = (time.perf_counter() - t0) * 1e3
+                rows.append((wall, wall, sum(spent)))
+        else:
+            rows = []
+            sleep_ms = None
+            for _ in range(reps * 3):
+                spent = []
+                self._sync()
+                if sleep_ms is not None:
+                    torch.cuda._sleep(int(sleep_ms * self._cycles_per_ms()))
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                with timing_calls(kernel, spent, cuda=True):
+                    t0 = time.perf_counter()
+                    bwd(fwd())
+                    host = (time.perf_counter() - t0) * 1e3
+                b.record()
+                b.synchronize()
+                if sleep_ms is None or host > 0.8 * sleep_ms:  # (re)size the sleep: 2x the host's time + 2 ms
+                    sleep_ms = 2 * host + 2.0
+                    continue
+                rows.append((a.elapsed_time(b), host, sum(e0.elapsed_time(e1) for e0, e1 in spent)))
+                if len(rows) == reps:
+                    break
+        dev, host, kern = (statistics.median(col) for col in zip(*rows))
+        return dict(device_ms=dev, host_ms=host, kernel_ms=kern)
+
+    _CYCLES_PER_MS = None
+
+    @classmethod
+    def _cycles_per_ms(cls) -> float:
+        """torch.cuda._sleep's cycles per millisecond on this device (measured once)."""
+        if cls._CYCLES_PER_MS is None:
+            cycles = 20_000_000
+            torch.cuda._sleep(cycles)  # (a first call may be slower)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            b.synchronize()
+            cls._CYCLES_PER_MS = cycles / max(a.elapsed_time(b), 1e-3)
+        return cls._CYCLES_PER_MS
+
+
+@contextlib.contextmanager
+def timing_calls(kernel, spent: list, cuda: bool):
+    """While inside, every attention call of `kernel` appends its own time to `spent`: a pair of
+    CUDA events (read after a synchronize) or, on CPU, its wall milliseconds. A call made inside
+    another (a varlen call looping over dense ones) counts once, in the outer one."""
+    patched, depth = [], [0]
+
+    def timed(method, a, kw):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            res = method(*a, **kw)
+            e1.record()
+            spent.append((e0, e1))
+            return res
+        t0 = time.perf_counter()
+        res = method(*a, **kw)
+        spent.append((time.perf_counter() - t0) * 1e3)
+        return res
+
+    for name in _KERNEL_METHODS:
+        method = getattr(kernel, name, None)
+        if method is None:
+            continue
+
+        def wrapper(*a, _method=method, **kw):
+            if depth[0]:
+                return _method(*a, **kw)
+            depth[0] += 1
+            try:
+                return timed(_method, a, kw)
+            finally:
+                depth[0] -= 1
+
+        kernel.__dict__[name] = wrapper
+        patched.append(name)
+    try:
+        yield
+    finally:
+        for name in patched:
+            kernel.__dict__.pop(name, None)
+
 
 def job_passes(job: RankJob, device, dtype, scale: float) -> tuple[Callable, Callable]:
     """One simulated rank's (forward, backward) through dtcp's executors, on random inputs of its
@@ -530,6 +644,7 @@ def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bo
 
     with local_collectives():
         res = timer.measure(fwd, bwd, first)
+        res.update(timer.device_pass(fwd, bwd, job.kernel))
         if profile:
             res["profile"] = profile_once(fwd, bwd, device, f"rank {job.rank} (work {job.work})")
     res.update(launches_fwd=counts["fwd"], launches_bwd=counts["bwd"], rank=job.rank, weight=job.weight, work=job.work)
@@ -642,6 +757,7 @@ def reference(case: Case, hq: int, hkv: int, d: int, device, dtype, timer: Timer
             bwd(fwd())
 
     res = timer.measure(fwd, bwd, first)
+    res.update(timer.device_pass(fwd, bwd, kernel))
     res.update(kernel=kernel.name, launches_fwd=counts["fwd"], launches_bwd=counts["bwd"])
     if why is not None:
         res["fa4_unavailable"] = why
@@ -728,6 +844,32 @@ def summarize(jobs_res: list[dict], one_ms: float, one_fwd_ms: float, n: int) ->
         launches_bwd=[min(r["launches_bwd"] for r in jobs_res), max(r["launches_bwd"] for r in jobs_res)],
         max_work=max(works), work_imbalance=max(works) / (sum(works) / len(works)) if sum(works) else 1.0,
         peak_mib=max(peaks) if peaks else None,
+    )
+
+
+def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> dict:
+    """Which bound holds at a point (Timer.device_pass's figures), for the rank slowest on the device:
+
+      split_device       (one device / N) / slowest rank, device time alone (host gaps left out)
+      kernel_efficiency  that rank's attention calls against the one-device call's rate on its work
+                         (1.0 = as fast per pair as the whole sequence in one call)
+      other_ms           its device time outside the attention calls (merges, adds, copies, fills)
+      host_ms            its host time to queue the pass; bound = "host" where the slowest rank's
+                         host time exceeds its device time, else "device"."""
+    slow = max(jobs_res, key=lambda r: r["device_ms"])
+    wall = max(jobs_res, key=lambda r: r["ms"])
+    share = slow["work"] / total_work if total_work else 1.0 / n
+    # The one-device pass is one launch (its host time is nothing beside it): its timed runs and its
+    # device-alone runs measure the same thing, and the faster of the two is the reference (a long
+    # pass run right after its timed runs can meet a clock lowered by the load: on one H100 a 230 ms
+    # pass measured 8% slower there).
+    one_device = min(ref["ms"], ref["device_ms"])
+    ideal_kernel = min(ref["kernel_ms"], ref["ms"]) * share
+    return dict(
+        slowest_device_ms=slow["device_ms"], split_device=(one_device / n) / slow["device_ms"],
+        device_rank=slow["rank"], kernel_ms=slow["kernel_ms"], other_ms=slow["device_ms"] - slow["kernel_ms"],
+        host_ms=slow["host_ms"], kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
+        bound="host" if wall["host_ms"] > wall["device_ms"] else "device",
     )
 
 
@@ -864,7 +1006,8 @@ def main(argv=None) -> dict:
                   f"heads {hlabel}: one device {ref['kernel']} fwd+bwd {ref['ms']:.2f} ms (fwd {ref['fwd_ms']:.2f})"
                   f"{'' if 'fa4_unavailable' not in ref else '  [fa4: ' + ref['fa4_unavailable'] + ']'}")
             print(f"   {'N':>3} {'layout':<10} {'strategy':<12} {'kernel':<9} {'split':>6} {'fwd':>6} {'work':>6} "
-                  f"{'launches f/b':>14} {'imbal':>6} {'peak MiB':>9} {'slowest ms':>10}")
+                  f"{'launches f/b':>14} {'imbal':>6} {'peak MiB':>9} {'slowest ms':>10} | {'device':>6} "
+                  f"{'kern eff':>8} {'other ms':>8} {'host ms':>8} bound")
             for n in world_sizes:
                 if n < case.min_world:
                     continue
@@ -900,6 +1043,7 @@ def main(argv=None) -> dict:
                             summary["max_work"] = max(j.work for j in jobs)  # over every rank, timed or not
                             works = [j.work for j in jobs]
                             summary["work_imbalance"] = max(works) / (sum(works) / len(works)) if sum(works) else 1.0
+                            summary.update(device_summary(per_rank, ref, n, sum(j.work * j.weight for j in jobs)))
                             rec.update(summary, kernel=jobs[0].kernel.name, exchange=jobs[0].route.exchange,
                                        plan=plan_kind(jobs[0].plan), work_per_rank=[j.work for j in jobs],
                                        ranks=per_rank)
@@ -922,7 +1066,9 @@ def main(argv=None) -> dict:
                         print(f"   {n:>3} {layout_name:<10} {name:<12} {rec['kernel']:<9} {rec['split']:>6.3f} "
                               f"{rec['split_fwd']:>6.3f} {rec['total_work_ratio']:>6.3f} "
                               f"{_span(lf) + '/' + _span(lb):>14} {rec['work_imbalance']:>6.3f} {peak:>9} "
-                              f"{rec['slowest_ms']:>10.3f}{' (sampled ranks)' if rec['total_work_estimated'] else ''}")
+                              f"{rec['slowest_ms']:>10.3f} | {rec['split_device']:>6.3f} "
+                              f"{_num(rec['kernel_efficiency']):>8} {rec['other_ms']:>8.3f} {rec['host_ms']:>8.3f} "
+                              f"{rec['bound']}{' (sampled ranks)' if rec['total_work_estimated'] else ''}")
                     _auto_check(results, point, measured, device, dtype, case, hlabel, n, layout_name)
             print(f"   [{time.perf_counter() - start:.0f} s so far]")
             _write(results, args.out)  # after every case: a run stopped from outside keeps what it measured
@@ -1022,6 +1168,10 @@ def _write(results: dict, path: Optional[str]) -> None:
         with open(tmp, "w") as f:
             json.dump(results, f, indent=1)
         os.replace(tmp, path)
+
+
+def _num(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def _span(lim) -> str:

@@ -16,8 +16,11 @@ import bench_split  # noqa: E402
 
 POINT_FIELDS = ("case", "mask", "seq_len", "heads", "world_size", "layout", "strategy", "kernel", "exchange", "plan",
                 "slowest_ms", "slowest_fwd_ms", "split", "split_fwd", "total_work_ratio", "total_work_estimated",
-                "launches_fwd", "launches_bwd", "max_work", "work_imbalance", "work_per_rank", "peak_mib", "ranks")
-RANK_FIELDS = ("rank", "weight", "ms", "fwd_ms", "iters", "launches_fwd", "launches_bwd", "work", "peak_mib")
+                "launches_fwd", "launches_bwd", "max_work", "work_imbalance", "work_per_rank", "peak_mib", "ranks",
+                "slowest_device_ms", "split_device", "device_rank", "kernel_ms", "other_ms", "host_ms",
+                "kernel_efficiency", "bound")
+RANK_FIELDS = ("rank", "weight", "ms", "fwd_ms", "iters", "launches_fwd", "launches_bwd", "work", "peak_mib",
+               "device_ms", "host_ms", "kernel_ms")
 CASES = ("causal-32k", "window-128k", "docs-16x8k", "pareto-s0")
 
 
@@ -46,6 +49,7 @@ def test_json_has_every_field(results):
     for case in on_disk["cases"]:
         ref = case["one_device"]["4/2"]
         assert ref["ms"] > 0 and ref["fwd_ms"] > 0 and ref["launches_fwd"] > 0 and ref["launches_bwd"] > 0
+        assert 0 < ref["kernel_ms"] <= ref["device_ms"] and ref["host_ms"] > 0
     points = [p for p in on_disk["points"] if "not_applicable" not in p]
     # every case, both N, every layout of the case ran the ring
     for case in on_disk["cases"]:
@@ -64,6 +68,10 @@ def test_json_has_every_field(results):
         for r in p["ranks"]:
             for key in RANK_FIELDS:
                 assert key in r, (key, p["case"], p["strategy"])
+            # the attention calls' own time is part of the pass's (on CPU: wall times of both)
+            assert 0 < r["kernel_ms"] <= r["device_ms"], (p["case"], p["strategy"], r)
+        assert p["split_device"] > 0 and p["kernel_efficiency"] > 0 and p["other_ms"] >= 0, p
+        assert p["bound"] in ("host", "device")
     # the auto check: a pick for every (case, heads, N, layout), and the fraction printed
     assert len(on_disk["auto"]) == sum(len(c["layouts"]) for c in on_disk["cases"]) * 2
     for a in on_disk["auto"]:
