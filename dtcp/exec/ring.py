@@ -291,7 +291,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             travelling = own_dkv  # the own block's gradients never leave
         else:
             travelling = grad_slot(t % 2, step.span_len)  # the held span's dK/dV accumulator
-            if plan.starts_chain(t) or not moves:
+            # (NoComm stands in for a received accumulator with whatever its slot holds: the
+            # benchmarks time what a ring rank does, which fills only where a chain starts.)
+            if plan.starts_chain(t):
                 comm.drain()  # the buffer may still be being sent from
                 if _fills_block(block_grads, step.span_len, q.shape[0]):
                     # One launch per batch row took every key of the span: its dK/dV *are* the
@@ -303,7 +305,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 else:
                     travelling[0].zero_()
                     travelling[1].zero_()
-            else:
+            elif moves:
                 comm.wait(dkv_works)  # this block's accumulator has arrived from its previous holder
             dkv_works = None
         for b, where, dk_t, dv_t in block_grads:
