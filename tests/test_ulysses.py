@@ -6,6 +6,7 @@ plan's pure index math; compile; communication counts; errors on every rank; the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -364,3 +365,68 @@ def ulysses_backward_twice():
 def test_ulysses_backward_twice_with_retain_graph():
     for err, _ in run_ranks(2, ulysses_backward_twice):
         assert err < 1e-12, err
+
+
+# ---- documents: the local attention's keys are the rank's own, in order ---------------------------
+def ulysses_documents_identity(docs, dtype_name, heads):
+    """Ulysses over documents with a one-launch varlen kernel (the CPU varlen loop standing in for
+    FA4): its local attention after the head exchange is one varlen call on one rank whose
+    sequences take every key once, in order. Returns float64-style errors against the dense
+    reference, whether that call packed its keys as the identity, and whether the identity's
+    shortcut (views in, the kernel's dK/dV out) gives bitwise what the general path gives (K/V
+    gathered by index, dK/dV summed in float32 by index)."""
+    from dtcp.exec import allgather as ag
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.math import MathKernel
+    from dtcp.comm import state_of
+    from test_softcap_sinks import exact_err, window_doc_mask, dense_reference
+
+    dtype = getattr(torch, dtype_name)
+    route_mod.clear_routes()
+    MathKernel.varlen_one_launch = True
+    packing = ag._packing
+    try:
+        layout = dtcp.Zigzag()
+        s, (hq, hkv) = sum(docs), heads
+        cu = [0]
+        for n in docs:
+            cu.append(cu[-1] + n)
+        g = torch.Generator().manual_seed(3)
+        full = [torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
+        ref = [t.clone().requires_grad_() for t in full[:3]]
+        out_ref, lse_ref = dense_reference(*ref, mask=window_doc_mask(s, is_causal=True, window=(-1, -1),
+                                                                     cu_seqlens=cu), scale=0.3)
+        out_ref.backward(full[3])
+        results, identities = [], []
+        for shortcut in (True, False):
+            if not shortcut:
+                ag._packing = lambda plan, device: dataclasses.replace(packing(plan, device), identity=False)
+            local = [layout.shard(t, dim=2).to(dtype).detach().requires_grad_() for t in full[:3]]
+            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, scale=0.3, return_lse=True,
+                                           enable_gqa=hq != hkv, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                                           strategy="ulysses", backend="math")
+            out.backward(layout.shard(full[3], dim=2).to(dtype))
+            results.append((out, lse, *(t.grad for t in local)))
+            route = next(iter(route_mod._routes_of(state_of(dist.group.WORLD)).values()))
+            identities.append(isinstance(route.plan, ag.VarlenPlan) and ag._packing(route.plan, out.device).identity)
+        want = (out_ref, lse_ref, *(t.grad for t in ref))
+        errs = {key: exact_err(a.double(), layout.shard(b, dim=2)) for key, a, b in
+                zip(("out", "lse", "dq", "dk", "dv"), results[0], want)}
+        return {**errs, "identity": identities, "bitwise": all(torch.equal(a, b) for a, b in zip(*results))}
+    finally:
+        ag._packing = packing
+        MathKernel.varlen_one_launch = False
+        route_mod.clear_routes()
+
+
+@pytest.mark.parametrize("world,docs,heads", [(2, (5, 11, 7, 9), (4, 2)), (4, (3, 29, 1, 15, 16), (8, 2))])
+def test_ulysses_documents_take_the_keys_as_they_are(world, docs, heads):
+    """float64 exact (1e-10) against the dense reference, and bitwise equal to the general
+    all-gather varlen path in float64 and bfloat16 (4 ranks with 2 K/V heads: the K/V heads are
+    replicated, and their dK/dV summed, after the call)."""
+    for dtype_name in ("float64", "bfloat16"):
+        for r in run_ranks(world, ulysses_documents_identity, docs, dtype_name, heads):
+            assert r["identity"] == [True, False], r  # the shortcut taken, and (second run) not
+            assert r["bitwise"], r
+            if dtype_name == "float64":
+                assert max(r[k] for k in ("out", "lse", "dq", "dk", "dv")) < 1e-10, r
