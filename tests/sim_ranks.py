@@ -31,9 +31,12 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
     kern = locked(kernel)
 
     def rank_fn(r, comm):
+        from dtcp.exec.grouped import grouped, grouped_backward, grouped_forward
         qr, kr, vr, dr = (shard(t, r) for t in (q, k, v, dout))
-        out, lse = ring_forward(qr, kr, vr, plans[r], kern, scale, comm)
-        dq, dk, dv = ring_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm)
+        # as the route runs it: in groups where dtcp.config.ring_steps_per_launch asks for them
+        fwd, bwd = (grouped_forward, grouped_backward) if grouped(plans[r], kern) else (ring_forward, ring_backward)
+        out, lse = fwd(qr, kr, vr, plans[r], kern, scale, comm)
+        dq, dk, dv = bwd(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm)
         return out, lse, dq, dk, dv
 
     results = SimulatedRing(n).run(rank_fn)

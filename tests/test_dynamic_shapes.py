@@ -183,7 +183,10 @@ def balanced_compiled(compile_backend):
     for step, (s, docs) in enumerate(BALANCED_STEPS):
         layout = dtcp.Balanced(docs, min_chunk=1)  # (tiny documents get cut too)
         cut.add(dtcp.layouts.balanced.balanced_placement(docs, n, min_chunk=1))
-        x = layout.shard(torch.randn(1, s, DIM, generator=g, dtype=torch.float64), dim=1)
+        # (with its own strides, as a model's activations have: a rank whose shard is one slice would
+        # get a view with the whole batch's stride on its size-1 dim, which dynamo guards on)
+        x = layout.shard(torch.randn(1, s, DIM, generator=g, dtype=torch.float64), dim=1).clone(
+            memory_format=torch.contiguous_format)
         pe = [t.clone().requires_grad_() for t in (x, wq, wkv)]
         pc = [t.clone().requires_grad_() for t in (x, wq, wkv)]
         ye, yc = layer(*pe, layout), compiled(*pc, layout)

@@ -31,6 +31,16 @@ def test_simulated_ranks_are_exact(n, layout, docs, window, one_launch, monkeypa
     assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
 
 
+@pytest.mark.parametrize("n,layout,docs,window", CASES, ids=str)
+@pytest.mark.parametrize("size", [2, 3])
+def test_simulated_ranks_in_groups_are_exact(n, layout, docs, window, size, monkeypatch):
+    """The ring with its blocks in groups (dtcp.config.ring_steps_per_launch) over the simulated
+    ranks' direct transfers: what the one-GPU test runs with FA4."""
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", True)
+    with dtcp.config.override(ring_steps_per_launch=size):
+        assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
+
+
 def assert_simulation_exact(schedule, n, layout, docs, window, heads, seed):
     """`schedule` (tests/sim_ranks.py) on float64 inputs equals single-process attention to 1e-10."""
     s = sum(docs) if docs else 8 * n

@@ -51,14 +51,17 @@ class RingComm:
     def _peer(self, offset: int) -> int:
         return global_rank(self.pg, (self.rank + offset) % self.world_size)
 
-    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str, slot: int) -> list:
+    def exchange(self, send: list[torch.Tensor], recv: list[torch.Tensor], shift: int, kind: str, slot: int,
+                 direct: bool = False) -> list:
         """Start the exchange; returns what `wait` takes. Call `wait` before reading `recv` or
-        writing `send`. `recv` lies in spare slot `slot` (0 or 1). Empty tensors move nothing:
-        the peer's matching tensor is empty too (both sides size them from the same plan)."""
+        writing `send`. `recv` lies in spare slot `slot` (0 or 1), or anywhere with `direct`
+        (point-to-point on the communicator whatever the shift: the grouped ring's own buffers).
+        Empty tensors move nothing: the peer's matching tensor is empty too (both sides size them
+        from the same plan)."""
         n = self.world_size
         shift = (shift + n // 2) % n - n // 2 if n > 1 else 0  # ranks may name a neighbour as +k or k - N
         STATS.count(kind, nbytes(send))
-        if self.copy_engine is not None and abs(shift) == 1:
+        if self.copy_engine is not None and abs(shift) == 1 and not direct:
             self.exchanges["copy_engine"] += 1
             return [("copy_engine", self.copy_engine.exchange([t.contiguous() for t in send], recv, shift, kind, slot))]
         self.exchanges["p2p"] += 1
@@ -118,7 +121,7 @@ class NoComm:
     def fit(slot, shapes, kind):
         return fit_views(slot, shapes)
 
-    def exchange(self, send, recv, shift: int, kind: str, slot: int):
+    def exchange(self, send, recv, shift: int, kind: str, slot: int, direct: bool = False):
         return None
 
     @staticmethod

@@ -90,7 +90,7 @@ class SimulatedComm:
     def fit(slot, shapes, kind):
         return fit_views(slot, shapes)
 
-    def exchange(self, send, recv, shift: int, kind: str, slot: int):
+    def exchange(self, send, recv, shift: int, kind: str, slot: int, direct: bool = False):
         # Every rank makes the same exchanges in the same order: the i-th of a kind pairs up.
         n = self.ring.world_size
         i = self._count[kind] = self._count.get(kind, -1) + 1

@@ -46,8 +46,10 @@ from ..plan import (
     segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
 from ..plan.cost import machine_for, rank as rank_strategies
-from ..plan.fuse import accumulator_traffic, fused_launches
+from ..plan.fuse import accumulator_traffic, fused_launches, plan_launches
+from ..plan.group import group_launches
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
+from .grouped import grouped, grouped_backward, grouped_forward
 from .fused import fuses, takes_gaps
 from .ring import ring_backward, ring_forward
 from .ulysses import to_heads, to_sequence
@@ -492,6 +494,12 @@ def _launches(plan, kernel: Kernel) -> tuple[int, int]:
     if isinstance(plan, VarlenPlan):
         rows = sum(q_len for q_len, _ in plan.seq_lens)
         return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
+    if isinstance(plan, RingPlan) and grouped(plan, kernel):  # the received blocks in groups (exec/grouped.py)
+        groups = group_launches(plan, config.ring_steps_per_launch)
+        if groups is not None:
+            local = plan_launches(plan)[0]
+            launches = list(local) + [g.launch for g in groups if g.launch is not None]
+            return len(launches), sum(launch.cu_q[-1] for launch in launches)
     if isinstance(plan, RingPlan) and fuses(kernel):
         fused = fused_launches(plan, kernel.reject_varlen_reason)
         if fused is not None:
@@ -671,7 +679,8 @@ def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm, sink):
         return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv,
                                  **options)
     if isinstance(plan, RingPlan):
-        return ring_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options) + (None,)
+        run = grouped_forward if grouped(plan, route.kernel) else ring_forward
+        return run(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options) + (None,)
     # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
     # the same calls in the same order on every rank
     rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep_gathered_kv, comm, sink)
@@ -688,7 +697,8 @@ def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm):
         return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale,
                                   kv=gathered_kv, softcap=route.softcap)
     if isinstance(plan, RingPlan):
-        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
+        run = grouped_backward if grouped(plan, route.kernel) else ring_backward
+        return run(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
     grads = [
         _backward(route, p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), scale,
                   None if gathered_kv is None else gathered_kv[b], comm)

@@ -1,0 +1,118 @@
+"""Ring steps in groups: the blocks of G consecutive steps as one launch
+(`dtcp.config.ring_steps_per_launch` = G > 1).
+
+Why. A ring rank splits its work over the steps: at N ranks each step's launch holds about 1/N
+of it. On one H100 (FA4 4.0.0b36, bf16, 32/8 heads, D = 128) a step's launch of a rank of a
+long-tailed 128K batch at N = 16 (2161 query rows against 4321 keys) ran at 550 TFLOPs forward
+and 505 backward; the same batch's whole-sequence call at 721 and 607; launches twice and four
+times as long (N = 8 and 4) at 640-650 / 573-605 and 689 / 640-660. Every launch also merges its
+rows into the float32 accumulators once. A group's launch holds G steps' keys: fewer, longer
+launches and one merge where there were G.
+
+How. Step t's launches (plan/fuse.py) are, off the local step and without sliding windows, *full*
+sequences: query rows against a run of the held block's keys, every key visible. A group's
+launch splits the query rows at every boundary of its steps' sequences; each piece of rows is one
+sequence whose keys are the key runs of every step that sees those rows, one after another in a
+packed buffer (`pieces`). A key two sequences share is packed twice (its dK/dV get both shares).
+Full sequences make the order of the runs free. Groups are refused (None) where a step has a
+launch that is not full: then the executor runs that rank's steps one by one on the same blocks.
+
+What travels is the executor's (dtcp/exec/grouped.py): each step's block comes straight from its
+home rank, and its dK/dV share goes straight back, so a group's blocks can all be held at once.
+Pure Python over the plan's integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from .fuse import Launch, plan_launches
+
+FULL = (-1, -1)
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """One launch over the blocks of `steps` (plan step indices, consecutive, >= 1).
+
+    `launch`: sequence i is rows `launch.q_ranges[i]` of the rank's queries against keys
+    `launch.k_ranges[i]` of the packed buffer (which they tile, in order), window full; None
+    where this rank has nothing to compute on these blocks.
+    `pieces`: the packed buffer, run by run: (j, start, end) = keys [start, end) of the span held
+    at step steps[j], counted from the span's start."""
+
+    steps: tuple[int, ...]
+    launch: Optional[Launch]
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def packed_len(self) -> int:
+        return sum(e - a for _, a, e in self.pieces)
+
+
+def step_chunks(num_steps: int, size: int) -> tuple[tuple[int, ...], ...]:
+    """Steps 1 .. num_steps - 1 (the received blocks) in consecutive groups of `size` (the last
+    may be shorter). Step 0, the local block, is never in a group: it runs while the first group's
+    blocks arrive."""
+    rounds = list(range(1, num_steps))
+    return tuple(tuple(rounds[i:i + size]) for i in range(0, len(rounds), size))
+
+
+def group_launch(plan, steps: tuple[int, ...]) -> Optional[StepGroup]:
+    """The group's one launch, or None where one of its steps has a launch that is not full."""
+    per_step = plan_launches(plan)
+    entries = []  # (row start, row end, j, key start, key end): keys from the held span's start
+    for j, t in enumerate(steps):
+        origin = plan.steps[t].span[0]
+        for launch in per_step[t]:
+            if launch.window != FULL:
+                return None
+            for (qa, qb), (ka, kb) in zip(launch.q_ranges, launch.k_ranges):
+                entries.append((qa, qb, j, ka - origin, kb - origin))
+    if not entries:
+        return StepGroup(tuple(steps), None, ())
+    cuts = sorted({x for e in entries for x in e[:2]})
+    segments = []  # [row start, row end, runs]
+    for x, y in zip(cuts, cuts[1:]):
+        runs = tuple(sorted((j, ka, kb) for qa, qb, j, ka, kb in entries if qa <= x and y <= qb))
+        if not runs:
+            continue
+        if segments and segments[-1][1] == x and segments[-1][2] == runs:
+            segments[-1][1] = y  # the same keys as the rows just above: one sequence
+        else:
+            segments.append([x, y, runs])
+    q_ranges, k_ranges, pieces, off = [], [], [], 0
+    for x, y, runs in segments:
+        start = off
+        for j, ka, kb in _joined(runs):
+            pieces.append((j, ka, kb))
+            off += kb - ka
+        q_ranges.append((x, y))
+        k_ranges.append((start, off))
+    return StepGroup(tuple(steps), Launch(FULL, tuple(q_ranges), tuple(k_ranges)), tuple(pieces))
+
+
+def _joined(runs):
+    """Runs of one step that touch, as one (fewer copies into the packed buffer)."""
+    out = []
+    for j, ka, kb in runs:
+        if out and out[-1][0] == j and out[-1][2] == ka:
+            out[-1] = (j, out[-1][1], kb)
+        else:
+            out.append((j, ka, kb))
+    return out
+
+
+@lru_cache(maxsize=256)
+def group_launches(plan, size: int) -> Optional[tuple[StepGroup, ...]]:
+    """Every group's launch (step_chunks of `size`), or None where one of them cannot be one
+    (the rank then runs its received blocks step by step)."""
+    groups = []
+    for steps in step_chunks(len(plan.steps), size):
+        group = group_launch(plan, steps)
+        if group is None:
+            return None
+        groups.append(group)
+    return tuple(groups)

@@ -1,0 +1,261 @@
+"""The ring with its received blocks in groups (dtcp.config.ring_steps_per_launch = G > 1,
+dtcp/plan/group.py and dtcp/exec/grouped.py): a group's launch computes exactly the pairs of its
+steps' launches; float64 exactness (out, lse, dq, dk, dv against dense attention, 1e-10) on 2-8
+ranks for Balanced, zigzag, striped and contiguous layouts, documents, full attention, GQA,
+windows (which run step by step on the same transfers) and batch rows; fewer launches than the
+ring; the same K/V bytes in all; compiled with a new document structure every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtcp
+from dist_harness import run_ranks
+from dtcp.plan import AttnMask, Band, ring_plans
+from dtcp.plan.fuse import plan_launches
+from dtcp.plan.group import group_launches, step_chunks
+from sim_ranks import segments_of
+
+KEYS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _step_pairs(plan, t):
+    """(row, key of src's block) pairs of step t's launches."""
+    pairs = set()
+    for launch in plan_launches(plan)[t]:
+        for (qa, qb), (ka, kb) in zip(launch.q_ranges, launch.k_ranges):
+            band = Band.from_aligned_window(qb - qa, kb - ka, launch.window)
+            pairs |= {(qa + i, ka + j) for i in range(qb - qa) for j in range(kb - ka)
+                      if (band.lo is None or j - i >= band.lo) and (band.hi is None or j - i <= band.hi)}
+    return pairs
+
+
+GROUP_PLANS = [  # (layout, documents or None, causal, world size)
+    (dtcp.Balanced((40, 3, 3, 2, 9, 7), min_chunk=1), (40, 3, 3, 2, 9, 7), True, 4),
+    (dtcp.Balanced((33, 2, 1, 4, 9, 5, 2, 8), min_chunk=1), (33, 2, 1, 4, 9, 5, 2, 8), True, 8),
+    (dtcp.Zigzag(), None, True, 4),
+    (dtcp.Zigzag(), (7, 20, 5), True, 2),
+    (dtcp.Striped(1), (9, 3, 12, 8), True, 4),
+    (dtcp.Contiguous(), None, False, 3),
+]
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+@pytest.mark.parametrize("layout,docs,causal,n", GROUP_PLANS, ids=str)
+def test_a_group_launch_computes_its_steps_pairs_once(layout, docs, causal, n, size):
+    """Expanding the packed keys back to (step, key) pairs: each row sees exactly the keys its
+    steps' launches give it, each once; the rows of a launch are disjoint."""
+    seq_len = sum(docs) if docs else 48
+    mask = AttnMask.make(causal, (-1, 0) if causal else (-1, -1), segments_of(docs) if docs else None)
+    for plan in ring_plans(layout, seq_len // n, n, causal, mask):
+        groups = group_launches(plan, size)
+        if isinstance(layout, dtcp.Striped):  # its off-diagonal blocks are causal, not full: step by step
+            assert groups is None or all(g.launch is None for g in groups), plan.rank
+            continue
+        assert groups is not None, plan.rank  # full off-diagonal launches: one launch a group
+        assert tuple(g.steps for g in groups) == step_chunks(len(plan.steps), size)
+        for group in groups:
+            want = set()
+            for j, t in enumerate(group.steps):
+                origin = plan.steps[t].span[0]
+                want |= {(row, j, key - origin) for row, key in _step_pairs(plan, t)}
+            got, packed = [], []
+            for j, a, e in group.pieces:
+                packed += [(j, key) for key in range(a, e)]
+            if group.launch is None:
+                assert not want
+                continue
+            assert group.launch.window == (-1, -1)
+            rows = sorted(group.launch.q_ranges)
+            assert all(x[1] <= y[0] for x, y in zip(rows, rows[1:]))
+            assert group.launch.k_ranges[-1][1] == len(packed)
+            for (qa, qb), (ka, kb) in zip(group.launch.q_ranges, group.launch.k_ranges):
+                got += [(row, j, key) for row in range(qa, qb) for j, key in packed[ka:kb]]
+            assert len(got) == len(set(got)) and set(got) == want, (plan.rank, group.steps)
+
+
+def test_a_window_has_no_group_launch():
+    """A sliding window's off-diagonal launches that are not full (a band) leave their rank step
+    by step; a rank whose received blocks are all fully visible still runs them in groups."""
+    plans = ring_plans(dtcp.Contiguous(), 16, 4, True, AttnMask.make(True, (20, 0), None))
+    banded = [any(launch.window != (-1, -1) for launches in plan_launches(p)[1:] for launch in launches)
+              for p in plans]
+    assert any(banded)
+    for plan, band in zip(plans, banded):
+        assert (group_launches(plan, 2) is None) == band, plan.rank
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(ValueError, match="ring_steps_per_launch must be an int >= 1"):
+        dtcp.config.ring_steps_per_launch = 0
+    with pytest.raises(ValueError, match="ring_steps_per_launch"):
+        dtcp.config.ring_steps_per_launch = True
+    assert dtcp.config.ring_steps_per_launch == 1
+
+
+# ---- on ranks ----------------------------------------------------------------------------------------
+
+def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=1, one_launch=True):
+    """ring_attention with the ring in groups of `size` (1: the ring as it is), on this rank:
+    errors against dense attention, launches (forward), and the K/V and dK/dV bytes sent."""
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.math import MathKernel
+    from reference import exact_err, reference_attention, window_doc_mask
+
+    route_mod.clear_routes()
+    MathKernel.varlen_one_launch = one_launch  # (this rank process only) the varlen loop stands in for FA4
+    calls = {"launches": 0, "inside": 0}
+    varlen_fwd, fwd = MathKernel.varlen_forward, MathKernel.forward
+
+    def counting_varlen(self, *a, **k):  # one launch (its loop of dense calls stands in for one)
+        calls["launches"] += 1
+        calls["inside"] += 1
+        try:
+            return varlen_fwd(self, *a, **k)
+        finally:
+            calls["inside"] -= 1
+
+    def counting_dense(self, *a, **k):
+        calls["launches"] += not calls["inside"]
+        return fwd(self, *a, **k)
+
+    MathKernel.varlen_forward, MathKernel.forward = counting_varlen, counting_dense
+    try:
+        with dtcp.config.override(ring_steps_per_launch=size):
+            layout = dtcp.layout_from_spec(layout_spec)
+            s = sum(docs) if docs else 16 * dist.get_world_size()
+            g = torch.Generator().manual_seed(7)
+            q, k, v, dout = (torch.randn(batch, h, s, 8, generator=g, dtype=torch.float64)
+                             for h in (heads[0], heads[1], heads[1], heads[0]))
+            cu = None
+            if docs:
+                cu = [0]
+                for n in docs:
+                    cu.append(cu[-1] + n)
+            mask = window_doc_mask(s, is_causal=causal, window=window, cu_seqlens=cu)
+            ref = [t.clone().requires_grad_() for t in (q, k, v)]
+            out_ref, lse_ref = reference_attention(*ref, mask=mask)
+            out_ref.backward(dout)
+            local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+            kwargs = {}
+            if docs and not isinstance(layout, (dtcp.Balanced, dtcp.DocZigzag)):
+                kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+            dtcp.comm_stats.reset()
+            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=causal, window_size=window,
+                                           return_lse=True, enable_gqa=heads[0] != heads[1], strategy="ring",
+                                           backend="math", **kwargs)
+            launches = calls["launches"]
+            kv_bytes = dtcp.comm_stats.kv_bytes_sent
+            out.backward(layout.shard(dout, dim=2))
+            grad_bytes = dtcp.comm_stats.grad_bytes_sent
+            from dtcp.comm import state_of
+            route = next(iter(route_mod._routes_of(state_of(dist.group.WORLD)).values()))
+            got = (out, lse, *(t.grad for t in local))
+            want = (out_ref, lse_ref, *(t.grad for t in ref))
+            errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
+            from dtcp.exec.grouped import grouped
+            return {**errs, "launches": launches, "kv_bytes": kv_bytes, "grad_bytes": grad_bytes,
+                    "grouped": grouped(route.plan, route.kernel), "steps": len(route.plan.steps)}
+    finally:
+        MathKernel.varlen_forward, MathKernel.forward = varlen_fwd, fwd
+        MathKernel.varlen_one_launch = False
+        route_mod.clear_routes()
+
+
+RANK_CASES = [  # (world size, layout spec, documents, causal, window, group size, heads, batch)
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), True, (-1, -1), 2, (4, 2), 1),
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), True, (-1, -1), 3, (4, 2), 1),
+    (8, "balanced@1:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), True, (-1, -1), 4, (4, 2), 1),
+    (8, "balanced@1:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), True, (-1, -1), 7, (4, 4), 1),
+    (4, "zigzag", None, True, (-1, -1), 2, (4, 2), 2),
+    (4, "zigzag", (9, 3, 12, 8, 16, 16), True, (-1, -1), 3, (4, 1), 1),
+    (3, "contiguous", None, False, (-1, -1), 2, (4, 2), 1),
+    (4, "striped:1", (9, 3, 12, 8, 32), True, (-1, -1), 2, (4, 2), 1),
+    (4, "contiguous", None, True, (20, 0), 2, (4, 2), 1),  # a window: step by step on the grouped transfers
+    (2, "zigzag", (7, 20, 5), True, (-1, -1), 2, (4, 2), 1),  # one round: the ring as it is
+]
+
+
+@pytest.mark.parametrize("n,spec,docs,causal,window,size,heads,batch", RANK_CASES, ids=str)
+def test_grouped_ring_exact(n, spec, docs, causal, window, size, heads, batch):
+    grouped = run_ranks(n, grouped_errors, spec, docs, causal, window, size, heads, batch)
+    ring = run_ranks(n, grouped_errors, spec, docs, causal, window, 1, heads, batch)
+    for r in grouped:
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, r)
+        assert r["grouped"] == (r["steps"] > 2), r  # two rounds or more: in groups
+    # the same K/V bytes leave the ranks in all (each block once per holder, no longer forwarded)
+    assert sum(r["kv_bytes"] for r in grouped) == sum(r["kv_bytes"] for r in ring)
+    # fewer launches where the received blocks are fully visible (not striped's causal off-diagonal
+    # blocks, nor a window's bands: those run step by step); launches count per batch row
+    if grouped[0]["grouped"] and window == (-1, -1) and batch == 1 and not spec.startswith("striped"):
+        assert sum(r["launches"] for r in grouped) < sum(r["launches"] for r in ring), (grouped, ring)
+
+
+def test_grouped_ring_needs_a_one_launch_kernel():
+    """With a kernel that makes no one-launch steps (the CPU kernels as they are) the ring runs
+    as it is: the setting changes nothing there."""
+    for r in run_ranks(4, grouped_errors, "zigzag", None, True, (-1, -1), 2, (4, 2), 1, False):
+        assert not r["grouped"] and max(r[k] for k in KEYS) < 1e-10, r
+
+
+def grouped_compiled(size):
+    """tests/test_dynamic_shapes.py's compiled Balanced layer (a new placement every step, two
+    packed lengths) with the ring in groups: how many ring calls ran grouped, and its results."""
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.cpu_flash import CpuFlashKernel
+    from test_dynamic_shapes import balanced_compiled
+
+    runs = {"grouped": 0}
+    forward = route_mod.grouped_forward
+
+    def counted(*a, **k):
+        runs["grouped"] += 1
+        return forward(*a, **k)
+
+    route_mod.grouped_forward = counted
+    CpuFlashKernel.varlen_one_launch = True  # (the kernel "auto" takes on CPU; its varlen loop stands in)
+    try:
+        with dtcp.config.override(ring_steps_per_launch=size):
+            return {**balanced_compiled("aot_eager"), **runs}
+    finally:
+        route_mod.grouped_forward = forward
+        CpuFlashKernel.varlen_one_launch = False
+        route_mod.clear_routes()
+
+
+def test_grouped_ring_compiled_with_new_documents_every_step():
+    """torch.compile(fullgraph=True), aot_eager, 4 ranks: equal to eager (out and every gradient),
+    no graph break, no recompile for a new document mix, one for the new packed length."""
+    from test_dynamic_shapes import BALANCED_STEPS
+    first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
+    for r in run_ranks(4, grouped_compiled, 2, timeout=400):
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["grouped"] >= len(BALANCED_STEPS), r  # the compiled and eager calls ran in groups
+        assert r["frames"][:first_new_length] == [1] * first_new_length, r
+        assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r
+
+
+def test_the_cost_model_counts_the_group_launches():
+    """strategy="auto"'s launch count (exec/route.py _launches) follows the setting: the local
+    step's launches and one a group, instead of every step's."""
+    from dtcp.exec.route import _launches
+    from dtcp.kernels import KERNELS
+
+    docs = (33, 2, 1, 4, 9, 5, 2, 8)
+    plans = ring_plans(dtcp.Balanced(docs, min_chunk=1), sum(docs) // 8, 8, True,
+                       AttnMask.make(True, (-1, 0), segments_of(docs)))
+    fa4 = KERNELS["fa4"]
+    totals = [0, 0]
+    for plan in plans:
+        per_step, rows = _launches(plan, fa4)
+        with dtcp.config.override(ring_steps_per_launch=4):
+            grouped, grouped_rows = _launches(plan, fa4)
+        groups = group_launches(plan, 4)
+        assert grouped == len(plan_launches(plan)[0]) + sum(g.launch is not None for g in groups), plan.rank
+        assert grouped <= per_step and grouped_rows <= rows, (plan.rank, grouped, per_step)
+        totals[0] += per_step
+        totals[1] += grouped
+    assert totals[1] < totals[0], totals
