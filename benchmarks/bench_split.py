@@ -102,6 +102,7 @@ from typing import Callable, Optional
 import torch
 
 from dtcp.comm.p2p import NoComm
+from dtcp.config import config as dtcp_config
 from dtcp.exec import allgather as exec_allgather
 from dtcp.exec import route as R
 from dtcp.kernels import KERNELS, VarlenSeqs, default_scale, select_kernel
@@ -923,6 +924,9 @@ def parse_args(argv=None):
                    help="print torch.profiler's top kernels of the slowest rank, per point")
     p.add_argument("--min-chunk", type=int, default=None,
                    help="Balanced(min_chunk=) (default 512 x --seq-scale, at least 1)")
+    p.add_argument("--ring-steps-per-launch", type=int, default=None,
+                   help="dtcp.config.ring_steps_per_launch for the ring (default: the config's; G > 1: the "
+                        "received blocks in groups of G, one launch a group)")
     p.add_argument("--seq-scale", default="1", help="every length times this (a fraction: 1/128 for a CPU smoke run)")
     p.add_argument("--rank-sample", type=int, default=None, help="time at most this many ranks per ring/all-gather "
                                                                  "point (0: all; default: the case's own)")
@@ -949,6 +953,8 @@ def main(argv=None) -> dict:
         results["auto_summary"] = auto_summary(results)
         plot(results, args.plot or os.path.splitext(args.plot_from)[0] + ".png")
         return results
+    if args.ring_steps_per_launch is not None:
+        dtcp_config.ring_steps_per_launch = args.ring_steps_per_launch
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu for the smoke run)")
@@ -975,6 +981,7 @@ def main(argv=None) -> dict:
                   torch=torch.__version__, dtype=str(dtype).replace("torch.", ""), head_dim=args.head_dim,
                   seq_scale=args.seq_scale, world_sizes=list(world_sizes), strategies=list(strategies),
                   warmup=args.warmup, iters=args.iters, point_seconds=args.point_seconds, quick=args.quick,
+                  ring_steps_per_launch=dtcp_config.ring_steps_per_launch,
                   fa4=fa4_status or "available", lognormal_fit=dict(zip(("mu", "sigma"), lognormal_fit()))),
         cases=[], points=[], auto=[], errors=[], skipped=[],
     )
