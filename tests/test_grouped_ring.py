@@ -259,3 +259,27 @@ def test_the_cost_model_counts_the_group_launches():
         totals[0] += per_step
         totals[1] += grouped
     assert totals[1] < totals[0], totals
+
+
+def settings_that_differ():
+    """Rank 0 asks for groups, the others not: every rank raises at once, naming the setting."""
+    import time
+    from dtcp.exec import route as route_mod
+
+    route_mod.clear_routes()
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    start = time.perf_counter()
+    try:
+        with dtcp.config.override(ring_steps_per_launch=2 if dist.get_rank() == 0 else 1):
+            dtcp.ring_attention(q, q.clone(), q.clone(), is_causal=True, strategy="ring")
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
+    finally:
+        route_mod.clear_routes()
+    return {"error": None}
+
+
+def test_ranks_that_differ_on_the_setting_raise():
+    for r in run_ranks(4, settings_that_differ):
+        assert r["error"] is not None and "ring_steps_per_launch" in r["error"], r
+        assert r["seconds"] < 10, r

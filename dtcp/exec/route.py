@@ -158,7 +158,7 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
-           args.head_group_name, args.chunk_size)
+           args.head_group_name, args.chunk_size, config.ring_steps_per_launch)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -221,6 +221,9 @@ def _signature(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state
         "is_causal": str(args.is_causal), "scale": repr(args.scale), "window_size": str(args.window),
         "cu_seqlens": digest(cu_values), "strategy": args.strategy, "backend": args.backend,
         "softcap": repr(args.softcap), "sinks": str(sinks_shape), "chunk_size": str(args.chunk_size),
+        # how the ring's blocks travel (exec/grouped.py): a setting, but ranks that differ on it
+        # would wait for transfers that never come
+        "dtcp.config.ring_steps_per_launch": str(config.ring_steps_per_launch),
     }
 
 
