@@ -25,8 +25,6 @@ stands each block in with the rank's own span, as the ring does (the benchmarks'
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..comm.p2p import NoComm, fit_views
@@ -36,8 +34,8 @@ from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.group import group_launches, step_chunks
 from .allgather import bounded_put
-from .fused import (LaunchIndex, _indexed, add_rows_, fills_rows, fused_steps, fuses, launch_backward, launch_forward,
-                    merge_launch_, rows, takes_gaps)
+from .fused import (_indexed, add_rows_, fills_rows, fused_steps, fuses, launch_backward, launch_forward, merge_launch_,
+                    rows, takes_gaps)
 from .merge import apply_sink_, merge_into_
 
 
