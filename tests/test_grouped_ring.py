@@ -283,3 +283,68 @@ def test_ranks_that_differ_on_the_setting_raise():
     for r in run_ranks(4, settings_that_differ):
         assert r["error"] is not None and "ring_steps_per_launch" in r["error"], r
         assert r["seconds"] < 10, r
+
+
+# ---- one rank fails inside a group ---------------------------------------------------------------------
+
+def one_rank_fails_in_a_group(failing_rank: int, at: int, side: str):
+    """ring_attention in groups of 2 on 4 ranks (zigzag: the local step runs its tasks, each
+    group one varlen launch) whose kernel raises on one rank at its `at`-th group launch, forward
+    or backward: that rank raises its error, every other rank a peer error within the timeout,
+    and later calls on the group fail at once."""
+    from dtcp.kernels import KERNELS
+    from dtcp.kernels.math import MathKernel
+    from test_failures import T, _outcome, _world_healthy
+
+    class FailsInAGroup(MathKernel):
+        name = "test_failing"
+        varlen_one_launch = True  # (its varlen loop stands in for one launch: the ring runs in groups)
+        launches = 0
+
+        def _maybe_fail(self, what):
+            if what == side:
+                self.launches += 1
+                if dist.get_rank() == failing_rank and self.launches == at:
+                    raise RuntimeError("CUDA out of memory (injected by the test)")
+
+        def varlen_forward(self, *a, **k):
+            self._maybe_fail("fwd")
+            return super().varlen_forward(*a, **k)
+
+        def varlen_backward(self, *a, **k):
+            self._maybe_fail("bwd")
+            return super().varlen_backward(*a, **k)
+
+    n = dist.get_world_size()
+    kernel = KERNELS["test_failing"] = FailsInAGroup()
+    try:
+        with dtcp.config.override(timeout_s=T, ring_steps_per_launch=2):
+            g = dist.new_group(list(range(n)))
+            gen = torch.Generator().manual_seed(dist.get_rank())
+
+            def call():
+                q, k, v = (torch.randn(1, h, 16, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+                           for h in (4, 2, 2))
+                out = dtcp.ring_attention(q, k, v, g, layout="zigzag", is_causal=True, enable_gqa=True,
+                                          strategy="ring", backend="test_failing")
+                out.sum().backward()
+
+            first, second = _outcome(call), _outcome(call)
+        return {"first": first, "second": second, "world": _world_healthy(), "launches": kernel.launches}
+    finally:
+        del KERNELS["test_failing"]
+
+
+@pytest.mark.parametrize("failing_rank,at,side", [(2, 1, "fwd"), (1, 2, "fwd"), (3, 1, "bwd"), (0, 2, "bwd")])
+def test_one_rank_fails_in_a_group(failing_rank, at, side):
+    from test_failures import T
+    results = run_ranks(4, one_rank_fails_in_a_group, failing_rank, at, side, timeout=120)
+    for rank, r in enumerate(results):
+        kind, message, seconds = r["first"]
+        if rank == failing_rank:
+            assert kind == "RuntimeError" and "injected" in message and r["launches"] == at, (rank, r)
+        else:
+            assert kind in ("PeerFailedError", "PeerTimeoutError"), (rank, r)
+        assert seconds < 3 * T, (rank, r)
+        assert r["second"][0] == "GroupFailedError" and r["second"][2] < 1.0, (rank, r)
+        assert r["world"], (rank, r)
