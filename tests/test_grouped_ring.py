@@ -355,3 +355,22 @@ def test_one_rank_fails_in_a_group(failing_rank, at, side):
         assert seconds < 3 * T, (rank, r)
         assert r["world"], (rank, r)
     assert sum(r["first"][0] != "returned" for r in results) >= 2, results  # the failure and a peer of it
+
+
+def test_group_launches_follow_the_gaps_setting(monkeypatch):
+    """The executor's cached group launches are keyed on whether the kernel reads rows lying apart
+    in place (dtcp.config.varlen_gaps can change between calls): each setting gets its own."""
+    from dtcp.exec.grouped import _group_indices
+    from dtcp.kernels.math import MathKernel
+
+    monkeypatch.setattr(MathKernel, "varlen_gaps", True)
+    docs = (33, 2, 1, 4, 9, 5, 2, 8)
+    plan = ring_plans(dtcp.Balanced(docs, min_chunk=1), sum(docs) // 8, 8, True,
+                      AttnMask.make(True, (-1, 0), segments_of(docs)))[0]
+    kernel = MathKernel()
+    with dtcp.config.override(varlen_gaps=True):
+        on = _group_indices(plan, kernel, torch.device("cpu"), 2)
+    with dtcp.config.override(varlen_gaps=False):
+        off = _group_indices(plan, kernel, torch.device("cpu"), 2)
+    assert on is not None and off is not None and on is not off
+    assert all(not li.q.gapped and not li.k.gapped for _, li in off if li is not None)

@@ -37,6 +37,7 @@ from .allgather import bounded_put
 from .fused import (_indexed, add_rows_, fills_rows, fused_steps, fuses, launch_backward, launch_forward, merge_launch_,
                     rows, takes_gaps)
 from .merge import apply_sink_, merge_into_
+from .ring import _rows, _task_keys
 
 
 def grouped(plan: RingPlan, kernel: Kernel) -> bool:
@@ -51,15 +52,12 @@ _GROUPS: dict = {}
 
 def _group_indices(plan: RingPlan, kernel: Kernel, device, size: int):
     """Each group's (StepGroup, LaunchIndex or None) on `device`, or None (step by step)."""
-    key = (id(plan), kernel.name, device, size)
+    gaps = takes_gaps(kernel)
+    key = (id(plan), kernel.name, device, size, gaps)
     hit = _GROUPS.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    groups = group_launches(plan, size)
-    if groups is not None and any(g.launch is not None and kernel.reject_varlen_reason(g.launch.seq_lens, g.launch.window)
-                                  for g in groups):
-        groups = None
-    gaps = takes_gaps(kernel)
+    groups = group_launches(plan, size, kernel.reject_varlen_reason)
     indexed = None if groups is None else tuple(
         (g, None if g.launch is None else _indexed(g.launch, device, gaps)) for g in groups)
     bounded_put(_GROUPS, key, (plan, indexed))
@@ -68,10 +66,6 @@ def _group_indices(plan: RingPlan, kernel: Kernel, device, size: int):
 
 def _offset(plan: RingPlan, t: int) -> int:
     return (plan.rank - plan.steps[t].src) % plan.world_size
-
-
-def _span_rows(x: torch.Tensor, span) -> torch.Tensor:
-    return x[seq_slice(span[0], span[1])]
 
 
 class _Blocks:
@@ -95,14 +89,14 @@ class _Blocks:
         plan, got = self.plan, []
         for j, t in enumerate(self.chunks[i]):
             step = plan.steps[t]
-            send = [_span_rows(x, step.home_span) for x in self.local]
+            send = [_rows(x, *step.home_span) for x in self.local]
             recv = fit_views(self.slots[i % 2][j], [x.shape[:2] + (step.span_len,) + x.shape[3:] for x in self.local])
             got.append((self.comm.exchange(send, recv, _offset(plan, t), "kv", i % 2, direct=True), recv))
         self.pending[i] = got
 
     def take(self, i: int) -> list:
         if not self.moves:
-            return [tuple(_span_rows(x, self.plan.steps[t].span) for x in self.local) for t in self.chunks[i]]
+            return [tuple(_rows(x, *self.plan.steps[t].span) for x in self.local) for t in self.chunks[i]]
         blocks = []
         for works, recv in self.pending.pop(i):
             self.comm.wait(works)
@@ -113,10 +107,6 @@ class _Blocks:
 def _packed(blocks, pieces, which: int, b: int) -> torch.Tensor:
     """The group launch's keys (which = 0) or values (1) of batch row b: (T_k, Hkv, D)."""
     return torch.cat([rows(blocks[j][which], b)[a:e] for j, a, e in pieces])
-
-
-def _task_keys(task, step) -> slice:
-    return seq_slice(task.k_start - step.span[0], task.k_end - step.span[0])
 
 
 def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
@@ -160,7 +150,7 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
             o, l = kernel.forward(q[qs], block[0][ks], block[1][ks], task.lo, task.hi, scale, softcap=softcap)
             merge_into_(out_acc[qs], lse_acc[qs], o, l)
 
-    run_step(0, tuple(_span_rows(x, plan.steps[0].span) for x in local), first=fill)
+    run_step(0, tuple(_rows(x, *plan.steps[0].span) for x in local), first=fill)
     for i, chunk in enumerate(chunks):
         blocks.start(i + 1)  # the next group's transfers run under this group's launch
         held = blocks.take(i)
@@ -230,11 +220,10 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
         for j, t in enumerate(chunk):
             step = plan.steps[t]
             home = [x.shape[:2] + (step.home_span[1] - step.home_span[0],) + x.shape[3:] for x in local]
-            if moves:
-                incoming = [torch.empty(shape, dtype=acc, device=k.device) for shape in home]
-                works = comm.exchange(list(shares[j]), incoming, -_offset(plan, t), "grad", i % 2, direct=True)
-            else:  # NoComm: nothing comes home, but the owner's add of it is timed
-                incoming, works = [torch.empty(shape, dtype=acc, device=k.device) for shape in home], None
+            incoming = [torch.empty(shape, dtype=acc, device=k.device) for shape in home]
+            # (NoComm: nothing comes home, but the owner's add of it is timed)
+            works = comm.exchange(list(shares[j]), incoming, -_offset(plan, t), "grad", i % 2, direct=True) \
+                if moves else None
             sent.append((step.home_span, works, incoming))
         return sent
 
@@ -243,10 +232,10 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             if works is not None:
                 comm.wait(works)
             for mine, got in zip(own_dkv, incoming):
-                _span_rows(mine, span).add_(got)
+                _rows(mine, *span).add_(got)
 
-    run_step(0, tuple(_span_rows(x, plan.steps[0].span) for x in local),
-             tuple(_span_rows(x, plan.steps[0].span) for x in own_dkv))
+    run_step(0, tuple(_rows(x, *plan.steps[0].span) for x in local),
+             tuple(_rows(x, *plan.steps[0].span) for x in own_dkv))
     in_flight = None
     for i, chunk in enumerate(chunks):
         blocks.start(i + 1)

@@ -498,8 +498,8 @@ def _launches(plan, kernel: Kernel) -> tuple[int, int]:
         rows = sum(q_len for q_len, _ in plan.seq_lens)
         return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
     if isinstance(plan, RingPlan) and grouped(plan, kernel):  # the received blocks in groups (exec/grouped.py)
-        groups = group_launches(plan, config.ring_steps_per_launch)
-        if groups is not None:
+        groups = group_launches(plan, config.ring_steps_per_launch, kernel.reject_varlen_reason)
+        if groups is not None:  # (as exec/grouped.py decides: else step by step)
             local = plan_launches(plan)[0]
             launches = list(local) + [g.launch for g in groups if g.launch is not None]
             return len(launches), sum(launch.cu_q[-1] for launch in launches)

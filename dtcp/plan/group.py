@@ -105,10 +105,19 @@ def _joined(runs):
     return out
 
 
+def group_launches(plan, size: int, refuse=None) -> Optional[tuple[StepGroup, ...]]:
+    """Every group's launch (step_chunks of `size`), or None where one of them cannot be one, or
+    where `refuse(seq_lens, window)` (a kernel's reject_varlen_reason) gives a reason for one (the
+    rank then runs its received blocks step by step)."""
+    groups = _group_launches(plan, size)
+    if groups is not None and refuse is not None and any(
+            g.launch is not None and refuse(g.launch.seq_lens, g.launch.window) is not None for g in groups):
+        return None
+    return groups
+
+
 @lru_cache(maxsize=256)
-def group_launches(plan, size: int) -> Optional[tuple[StepGroup, ...]]:
-    """Every group's launch (step_chunks of `size`), or None where one of them cannot be one
-    (the rank then runs its received blocks step by step)."""
+def _group_launches(plan, size: int) -> Optional[tuple[StepGroup, ...]]:
     groups = []
     for steps in step_chunks(len(plan.steps), size):
         group = group_launch(plan, steps)
