@@ -258,30 +258,38 @@ _KERNEL_METHODS = ("forward", "backward", "varlen_forward", "varlen_backward")
 
 
 @contextlib.contextmanager
-def counting(kernel, counts: dict):
-    """Count `kernel`'s calls into counts["fwd"] / counts["bwd"] while inside: its methods are
-    shadowed on the instance (KERNELS holds one instance per kernel) and restored after. A varlen
-    call counts one where the kernel makes it one launch; otherwise its loop of dense calls counts."""
+def shadowing(kernel, wrap: Callable):
+    """While inside, each of `kernel`'s attention methods is `wrap(name, method)` on the instance
+    (KERNELS holds one instance per kernel); restored after."""
     patched = []
     for name in _KERNEL_METHODS:
         method = getattr(kernel, name, None)
         if method is None:
             continue
-        side = "bwd" if "backward" in name else "fwd"
-        one = not name.startswith("varlen") or kernel.varlen_one_launch
-
-        def wrapper(*a, _method=method, _side=side, _one=one, **kw):
-            if _one:
-                counts[_side] += 1
-            return _method(*a, **kw)
-
-        kernel.__dict__[name] = wrapper
+        kernel.__dict__[name] = wrap(name, method)
         patched.append(name)
     try:
         yield
     finally:
         for name in patched:
             kernel.__dict__.pop(name, None)
+
+
+def counting(kernel, counts: dict):
+    """Count `kernel`'s calls into counts["fwd"] / counts["bwd"] while inside (`shadowing`). A
+    varlen call counts one where the kernel makes it one launch; otherwise its loop of dense calls
+    counts."""
+
+    def wrap(name, method):
+        side = "bwd" if "backward" in name else "fwd"
+        one = not name.startswith("varlen") or kernel.varlen_one_launch
+
+        def wrapper(*a, **kw):
+            if one:
+                counts[side] += 1
+            return method(*a, **kw)
+        return wrapper
+    return shadowing(kernel, wrap)
 
 
 @dataclass
@@ -568,12 +576,11 @@ class Timer:
         return cls._CYCLES_PER_MS
 
 
-@contextlib.contextmanager
 def timing_calls(kernel, spent: list, cuda: bool):
     """While inside, every attention call of `kernel` appends its own time to `spent`: a pair of
     CUDA events (read after a synchronize) or, on CPU, its wall milliseconds. A call made inside
     another (a varlen call looping over dense ones) counts once, in the outer one."""
-    patched, depth = [], [0]
+    depth = [0]
 
     def timed(method, a, kw):
         if cuda:
@@ -588,27 +595,17 @@ def timing_calls(kernel, spent: list, cuda: bool):
         spent.append((time.perf_counter() - t0) * 1e3)
         return res
 
-    for name in _KERNEL_METHODS:
-        method = getattr(kernel, name, None)
-        if method is None:
-            continue
-
-        def wrapper(*a, _method=method, **kw):
+    def wrap(name, method):
+        def wrapper(*a, **kw):
             if depth[0]:
-                return _method(*a, **kw)
+                return method(*a, **kw)
             depth[0] += 1
             try:
-                return timed(_method, a, kw)
+                return timed(method, a, kw)
             finally:
                 depth[0] -= 1
-
-        kernel.__dict__[name] = wrapper
-        patched.append(name)
-    try:
-        yield
-    finally:
-        for name in patched:
-            kernel.__dict__.pop(name, None)
+        return wrapper
+    return shadowing(kernel, wrap)
 
 
 def job_passes(job: RankJob, device, dtype, scale: float) -> tuple[Callable, Callable]:
