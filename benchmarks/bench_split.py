@@ -254,7 +254,8 @@ def local_collectives():
         cache.clear()
 
 
-_KERNEL_METHODS = ("forward", "backward", "varlen_forward", "varlen_backward")
+_KERNEL_METHODS = ("forward", "backward", "varlen_forward", "varlen_backward", "varlen_forward_into",
+                   "varlen_backward_into")
 
 
 @contextlib.contextmanager
@@ -278,16 +279,24 @@ def shadowing(kernel, wrap: Callable):
 def counting(kernel, counts: dict):
     """Count `kernel`'s calls into counts["fwd"] / counts["bwd"] while inside (`shadowing`). A
     varlen call counts one where the kernel makes it one launch; otherwise its loop of dense calls
-    counts."""
+    counts. A counted call made inside another counted one (FA4's varlen_forward calling its
+    varlen_forward_into) counts once."""
+    inside = [0]
 
     def wrap(name, method):
         side = "bwd" if "backward" in name else "fwd"
         one = not name.startswith("varlen") or kernel.varlen_one_launch
 
         def wrapper(*a, **kw):
-            if one:
-                counts[side] += 1
-            return method(*a, **kw)
+            counted = one and not inside[0]
+            if not counted:
+                return method(*a, **kw)
+            counts[side] += 1
+            inside[0] += 1
+            try:
+                return method(*a, **kw)
+            finally:
+                inside[0] -= 1
         return wrapper
     return shadowing(kernel, wrap)
 

@@ -352,9 +352,29 @@ class FakeFa4:
     def _flash_attn_fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                         seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None,
                         softmax_scale=None, causal=False, softcap=None, window_size_left=None,
-                        window_size_right=None, learnable_sink=None, return_lse=False, **rest):
+                        window_size_right=None, learnable_sink=None, return_lse=False, out=None, lse=None, **rest):
         assert not rest, rest
-        assert return_lse and q.dtype == k.dtype == v.dtype
+        assert return_lse
+        got = self._fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, softcap,
+                        window_size_left, window_size_right, learnable_sink)
+        return (*self._into(got, (out, lse)), None, None, None)
+
+    @staticmethod
+    def _into(results, into):
+        """FA4's output tensors: where given, checked as FA4 checks them (shape, dtype; strided
+        allowed, last dim contiguous) and written into, and returned in place of fresh ones."""
+        placed = []
+        for got, dest in zip(results, into):
+            if dest is not None:
+                assert dest.shape == got.shape and dest.dtype == got.dtype, (dest.shape, got.shape, dest.dtype)
+                assert dest.stride(-1) == 1 and 0 not in dest.stride(), dest.stride()
+                got = dest.copy_(got)
+            placed.append(got)
+        return placed
+
+    def _fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, softcap,
+             window_size_left, window_size_right, learnable_sink):
+        assert q.dtype == k.dtype == v.dtype
         for t in (cu_seqlens_q, cu_seqlens_k):
             assert t is None or t.dtype == torch.int32
         self.inputs.append((q, k, v))
@@ -369,14 +389,21 @@ class FakeFa4:
             outs.append(torch.einsum("hqk,khd->qhd", p, vs.double().repeat_interleave(g, 1)).to(q.dtype))
             lses.append(lse.float())
         if cu_seqlens_q is None:
-            return torch.stack(outs), torch.stack(lses), None, None, None
+            return torch.stack(outs), torch.stack(lses)
         return (self._placed(outs, cu_seqlens_q, seqused_q, q.shape[0]),
-                self._placed(lses, cu_seqlens_q, seqused_q, q.shape[0], dim=1), None, None, None)
+                self._placed(lses, cu_seqlens_q, seqused_q, q.shape[0], dim=1))
 
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
                         window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                        seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, **rest):
+                        seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None,
+                        dv=None, **rest):
         assert not rest, rest
+        got = self._bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left, window_size_right,
+                        cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        return tuple(self._into(got, (dq, dk, dv)))
+
+    def _bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, softcap, window_size_left, window_size_right,
+             cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         assert isinstance(softcap, float), "FA4's backward reads softcap != 0.0: None would be a cap"
         assert q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype and lse.dtype == torch.float32
         self.inputs.append((q, k, v))
@@ -469,6 +496,35 @@ def test_fa4_kernel_passes_views_not_copies(fake_fa4):
     (q0, k0, v0), (q1, k1, v1) = fake_fa4.inputs
     assert q0.shape == (1, 64, 4, 16) and q0.data_ptr() == q.data_ptr() and k0.data_ptr() == k.data_ptr()
     assert q1.shape == (1, 63, 4, 16) and q1.data_ptr() == q[:, :, 1:].data_ptr() and k1.data_ptr() == k.data_ptr()
+
+
+def test_fa4_varlen_writes_into_the_given_strided_results(fake_fa4):
+    """varlen_forward_into / varlen_backward_into hand FA4 the ring's result views (rows of
+    (B, H, L, D) tensors: strided) as out=, lse=, dq=, dk=, dv=, and return those very tensors,
+    holding what the fresh calls return; a gradient not asked for comes back fresh."""
+    g = torch.Generator().manual_seed(3)
+    cu = (0, 7, 20, 32)
+    t = torch.tensor(cu, dtype=torch.int32)
+    seqs = VarlenSeqs(cu, cu, t, t, 13, 13)
+    q, dout = (torch.randn(2, 4, 32, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 32, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    rows = lambda x: x[1].transpose(0, 1)  # noqa: E731  (L, H, D) of batch row 1
+    kern = KERNELS["fa4"]
+    out, lse = kern.varlen_forward(rows(q), rows(k), rows(v), seqs, (-1, 0), 0.3)
+    grads = kern.varlen_backward(rows(dout), rows(q), rows(k), rows(v), out, lse, seqs, (-1, 0), 0.3)
+    res = [torch.zeros_like(x) for x in (q, q, k, v)]
+    res_lse = torch.zeros(2, 4, 32)
+    got = kern.varlen_forward_into(rows(q), rows(k), rows(v), seqs, (-1, 0), 0.3, rows(res[0]), res_lse[1])
+    assert got[0].data_ptr() == res[0][1].data_ptr() and not got[0].is_contiguous() and got[1] is not None
+    torch.testing.assert_close(rows(res[0]), out, rtol=0, atol=0)
+    torch.testing.assert_close(res_lse[1], lse, rtol=0, atol=0)
+    got = kern.varlen_backward_into(rows(dout), rows(q), rows(k), rows(v), out, lse, seqs, (-1, 0), 0.3,
+                                    dq=rows(res[1]), dk=rows(res[2]))
+    assert got[0] is not None and got[0].data_ptr() == res[1][1].data_ptr() and got[1].data_ptr() == res[2][1].data_ptr()
+    assert got[2].is_contiguous() and (res[3] == 0).all()  # dv: not asked for, fresh
+    for a, b in zip(got, grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (res[0][0] == 0).all() and (res[1][0] == 0).all()  # the other batch row untouched
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (6, 0), (5, 3)])

@@ -288,55 +288,81 @@ def test_the_one_gpu_test_reaches_fa4s_gapped_launches():
     assert gapped >= 10, gapped
 
 
-def lone_launch_results(docs, dtype_name):
-    """ring_attention in bf16 with one-launch steps, twice: as it runs, and with the lone-launch
-    shortcut off (float32 accumulators everywhere). Returns (this rank's pass is one launch,
-    its dK/dV return no share from others, results bitwise equal)."""
+def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False):
+    """ring_attention in bf16 with one-launch steps, twice: as it runs (the local step's first
+    launch writes out, lse, dq, dk, dv straight into the results; float32 only for the rows and
+    keys that later launches or the chains' returns add to), and with every row and key through
+    float32 (the hulls forced to all). Returns the hulls' share of the rank's rows and keys,
+    whether the results are bitwise equal, and their dtypes."""
     import dtcp.exec.ring as ring_mod
     from dtcp.kernels.math import MathKernel
-    from dtcp.exec.fused import fused_steps, lone_launch
+    from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, later_keys, later_rows
     dtcp.exec.route.clear_routes()
     MathKernel.varlen_one_launch = True
+    MathKernel.varlen_gaps = gaps
     try:
-        layout = dtcp.Balanced(docs)
-        n, s = dist.get_world_size(), sum(docs)
+        layout = dtcp.layout_from_spec(spec)
+        s = sum(docs)
         g = torch.Generator().manual_seed(5)
-        full = [torch.randn(1, h, s, 16, generator=g).to(getattr(torch, dtype_name)) for h in (4, 2, 2, 4)]
+        full = [torch.randn(batch, h, s, 16, generator=g).to(torch.bfloat16)
+                for h in (heads[0], heads[1], heads[1], heads[0])]
+        kwargs = {} if isinstance(layout, (dtcp.Balanced, dtcp.DocZigzag)) else \
+            {"cu_seqlens": torch.tensor(_cumulative(docs), dtype=torch.int32)}
         results = []
-        for shortcut in (True, False):
-            if not shortcut:
-                ring_mod.lone_launch = lambda fused, local_len: False
+        for hulls in ("own", "all"):
+            if hulls == "all":
+                ring_mod.later_rows = lambda fused: (0, s)
+                ring_mod.later_keys = lambda fused, returned: (0, s)
             local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
-            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, return_lse=True, enable_gqa=True,
-                                           strategy="ring", backend="math")
+            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window,
+                                           return_lse=True, enable_gqa=True, strategy="ring", backend="math", **kwargs)
             out.backward(layout.shard(full[3], dim=2))
             results.append((out, lse, *(t.grad for t in local)))
         route = _the_route()
+        local_len = s // dist.get_world_size()
         fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
-        keys = route.plan.returned_keys
-        return {"lone": lone_launch(fused, s // n), "keys_return": keys[0] < keys[1],
-                "bitwise": all(torch.equal(a, b) for a, b in zip(*results)),
+        rows_hull = later_rows(fused) if fills_rows(fused[0], local_len) else (0, local_len)
+        keys_hull = later_keys(fused, route.plan.returned_keys) if fills_keys(fused[0], local_len) else (0, local_len)
+        return {"direct": fills_rows(fused[0], local_len), "launches": sum(map(len, fused)),
+                "rows_in_float32": max(0, rows_hull[1] - rows_hull[0]) / local_len,
+                "keys_in_float32": max(0, keys_hull[1] - keys_hull[0]) / local_len,
+                "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
                 "dtypes": [str(x.dtype) for x in results[0]]}
     finally:
-        ring_mod.lone_launch = dtcp.exec.fused.lone_launch
-        MathKernel.varlen_one_launch = False
+        ring_mod.later_rows, ring_mod.later_keys = dtcp.exec.fused.later_rows, dtcp.exec.fused.later_keys
+        MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
 
 
-@pytest.mark.parametrize("docs,lone_ranks", [((8, 8, 8, 8), 2), ((8, 8, 8), 1)], ids=["all-whole", "one-split"])
-def test_a_lone_launch_is_its_own_result(docs, lone_ranks):
-    """A rank whose whole pass is one launch over every row (documents held whole) takes that
-    launch's out, dq (and dK/dV when no other rank's share comes home) as they are, without
-    float32 accumulators: bitwise what the accumulators give, in bf16. (8, 8, 8) over 2 ranks
-    splits the third document: rank 0's pass is one launch, but rank 1's share of its keys comes
-    home, so its dK/dV still sum in float32."""
-    results = run_ranks(2, lone_launch_results, docs, "bfloat16")
-    assert sum(r["lone"] for r in results) == lone_ranks, results
-    if len(docs) == 3:
-        assert results[0]["lone"] and results[0]["keys_return"], results
+DIRECT_CASES = [  # (world size, layout spec, documents, window, heads, batch, gaps)
+    (2, "balanced:8,8,8,8", (8, 8, 8, 8), (-1, -1), (4, 2), 1, False),  # every rank: one launch in all
+    (2, "balanced:8,8,8", (8, 8, 8), (-1, -1), (4, 2), 1, False),  # one document split: its keys come home
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), (-1, -1), (4, 2), 2, False),
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), (-1, -1), (4, 4), 1, True),
+    (3, "balanced@1:5,1,30,12", (5, 1, 30, 12), (4, 0), (4, 2), 1, False),
+    (4, "zigzag", (9, 3, 12, 8), (-1, -1), (4, 2), 1, False),
+    (4, "doczigzag:16,8,24,8,40,8,16", (16, 8, 24, 8, 40, 8, 16), (-1, -1), (4, 2), 1, True),
+]
+
+
+@pytest.mark.parametrize("n,spec,docs,window,heads,batch,gaps", DIRECT_CASES, ids=str)
+def test_the_first_launch_writes_the_results_directly(n, spec, docs, window, heads, batch, gaps):
+    """The local step's first launch writes out, lse, dq, dk and dv straight into the call's
+    results, and float32 holds only the hull of the rows (keys) that later launches merge or add
+    into (and the keys whose shares come home): in bf16, bitwise what float32 accumulators over
+    every row and key give (a hull too small loses a later launch's share: not equal). The hulls
+    leave rows out on some ranks, so the direct writes are what is compared."""
+    results = run_ranks(n, direct_write_results, spec, docs, window, heads, batch, gaps)
     for r in results:
-        assert r["bitwise"], r
-        assert r["dtypes"][0] == "torch.bfloat16", r
+        assert all(r["bitwise"]), r
+        assert r["dtypes"][0] == "torch.bfloat16" and r["dtypes"][1] == "torch.float32", r
+    assert any(r["direct"] for r in results), results
+    if spec.startswith(("balanced:8,8,8,8", "balanced@1")):
+        assert any(r["direct"] and r["rows_in_float32"] < 1 for r in results), results
+    if spec == "balanced:8,8,8,8":  # documents held whole: one launch, nothing in float32
+        assert all(r["launches"] == 1 and r["rows_in_float32"] == r["keys_in_float32"] == 0 for r in results)
+    if spec == "balanced:8,8,8":  # rank 0's pass is one launch, but rank 1's share of its keys comes home
+        assert results[0]["rows_in_float32"] == 0 and results[0]["keys_in_float32"] > 0, results
 
 
 def test_row_and_receive_views_are_the_plain_views():

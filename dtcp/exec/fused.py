@@ -143,9 +143,32 @@ def fills_rows(launches, local_len: int) -> bool:
     return bool(launches) and launches[0].launch.q_span == (0, local_len)
 
 
-def lone_launch(fused, local_len: int) -> bool:
-    """Is a fused pass (fused_steps) one launch in all, over every query row of the rank?"""
-    return fused is not None and sum(map(len, fused)) == 1 and fills_rows(fused[0], local_len)
+def _extent(where: Where) -> tuple[int, int]:
+    """The rows (keys) a merge or add for `where` reads and writes: its span (a window's whole
+    span with a row mask), else the hull of its ranges."""
+    if where.span is not None:
+        return where.span
+    return min(a for a, _ in where.ranges), max(b for _, b in where.ranges)
+
+
+def _hull(spans) -> tuple[int, int]:
+    spans = [s for s in spans if s[0] < s[1]]
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+
+
+def later_rows(fused) -> tuple[int, int]:
+    """The hull of the query rows that the launches after a fused pass's first one (step 0's
+    first) merge into or add to: (0, 0) when none. Where the first launch covers every row, the
+    rows outside this hull have one launch's result: that result is final."""
+    launches = [li for launches in fused for li in launches][1:]
+    return _hull(_extent(li.q) for li in launches)
+
+
+def later_keys(fused, returned: tuple[int, int]) -> tuple[int, int]:
+    """The hull of the rank's own keys whose dK/dV more than the local step's first launch adds
+    to: the local step's other launches, and the `returned` hull (the shares that come home at
+    the chains' ends, RingPlan.returned_keys)."""
+    return _hull([_extent(li.k) for li in fused[0][1:]] + [returned])
 
 
 def fills_keys(launches, kv_len: int) -> bool:
@@ -208,11 +231,20 @@ def _pieces(where: Where):
             off += b - a
 
 
-def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scale, softcap):
+def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scale, softcap, into=None):
     """One launch on one batch row: (out (T, H, Dv), lse (H, T) float32). k_rows/v_rows: the
-    held span's keys (the launch counts keys from its start)."""
+    held span's keys (the launch counts keys from its start). into: (out, lse) to write them into."""
     q, k, v = _pick(q_rows, li.q), _pick(k_rows, li.k), _pick(v_rows, li.k)
-    return kernel.varlen_forward(q, k, v, li.seqs, li.launch.window, scale, softcap=softcap)
+    if into is None:
+        return kernel.varlen_forward(q, k, v, li.seqs, li.launch.window, scale, softcap=softcap)
+    got = kernel.varlen_forward_into(q, k, v, li.seqs, li.launch.window, scale, *into, softcap=softcap)
+    return _landed(got, into)
+
+
+def _landed(got, into):
+    """The results where the caller asked for them: a kernel that returned others (an FA4 that
+    ignored its output tensors) has them copied in, so a result is never left unwritten."""
+    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
 
 
 def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse) -> None:
@@ -239,12 +271,17 @@ def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchI
 
 
 def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows, lse_b, li: LaunchIndex,
-                    scale, softcap):
-    """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L)."""
+                    scale, softcap, dq=None, dk=None, dv=None):
+    """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L).
+    dq / dk / dv: tensors to write that gradient into (else it comes back fresh)."""
     q, dout, out = (_pick(x, li.q) for x in (q_rows, dout_rows, out_rows))
     k, v = _pick(k_rows, li.k), _pick(v_rows, li.k)
-    return kernel.varlen_backward(dout, q, k, v, out, _pick_lse(lse_b, li.q), li.seqs, li.launch.window, scale,
-                                  softcap=softcap)
+    lse = _pick_lse(lse_b, li.q)
+    if dq is None and dk is None and dv is None:
+        return kernel.varlen_backward(dout, q, k, v, out, lse, li.seqs, li.launch.window, scale, softcap=softcap)
+    got = kernel.varlen_backward_into(dout, q, k, v, out, lse, li.seqs, li.launch.window, scale, softcap=softcap,
+                                      dq=dq, dk=dk, dv=dv)
+    return _landed(got, (dq, dk, dv))
 
 
 def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:

@@ -31,8 +31,8 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, launch_backward, launch_forward,
-                    lone_launch, merge_launch_, rows)
+from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, later_keys, later_rows, launch_backward,
+                    launch_forward, merge_launch_, rows)
 from .merge import apply_sink_, merge_into_
 
 
@@ -87,16 +87,18 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # into: under a window of W < L tokens the first W rows, not all L (at 64K tokens and 32
     # heads that is GiBs less memory traffic).
     # One varlen launch per step (and window) where the kernel has one (dtcp/exec/fused.py); its
-    # results merge into float32 accumulators over every row. Where the local step's first launch
-    # covers every row, its result *is* the running result: the accumulators start as its copy
-    # (no zero fill and no merge: 6 bytes an element moved instead of 14; the same values).
+    # results merge into float32 accumulators. Where the local step's first launch covers every
+    # row, it writes straight into the call's out and lse (`direct`), and only the rows later
+    # launches merge into (fused.later_rows, a hull) go through the float32 accumulator: copied in
+    # after that launch, back at the end. The rows outside keep the kernel's output as it wrote it,
+    # which is what a float32 round trip would give back (the same values): on a Balanced rank most
+    # rows are documents held whole, which one launch finishes (no copy at all for them, where the
+    # accumulator moved 12 bytes an element; 0 where the pass is one launch).
     fused = fused_steps(plan, kernel, q.device)
     keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
-    # One launch in the whole pass, over every row (a rank that holds all its documents whole):
-    # its output is the answer, so the "accumulator" is the output itself in q.dtype (no float32
-    # copy and cast: the same values; 12 bytes an element less, ~10% of a 16 x 8K documents pass).
-    lone = sink is None and lone_launch(fused, local_len)
+    direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
+    later = later_rows(fused) if direct else (0, local_len)
 
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
         return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -104,6 +106,11 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     out = out_acc = lse_acc = q_rows = None
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
         out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
+    if direct:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+        # (rows outside `later` are never read or written here: no fill)
+        out_acc = out if acc == q.dtype or later[0] >= later[1] else torch.empty(out_shape, dtype=acc, device=q.device)
 
     for t, step in enumerate(plan.steps):
         works = None
@@ -112,9 +119,9 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
         if not moves:
             cur = tuple(_rows(x, *step.span) for x in local)
         if fused is not None:
-            fill = out_acc is None and fills_rows(fused[t], local_len)
+            fill = out_acc is None and fills_rows(fused[t], local_len)  # (with a sink: out_acc covers every row)
             if out_acc is None:
-                out_acc = torch.empty(out_shape, dtype=q.dtype if lone else acc, device=q.device) if fill else \
+                out_acc = torch.empty(out_shape, dtype=acc, device=q.device) if fill else \
                     torch.zeros(out_shape, dtype=acc, device=q.device)
                 lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device) if fill else no_keys_lse()
             if q_rows is None:  # rows-form views of what stays put, once per call (host time)
@@ -122,6 +129,12 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
             for b in range(q.shape[0]):
                 q_b, out_b, k_b, v_b = q_rows[b], out_rows[b], rows(cur[0], b), rows(cur[1], b)
                 for i, li in enumerate(fused[t]):
+                    if direct and t == 0 and i == 0:
+                        final = rows(out, b)
+                        launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap, into=(final, lse_acc[b]))
+                        if out_acc is not out:  # the rows later launches merge into, in float32
+                            out_b[later[0]:later[1]].copy_(final[later[0]:later[1]])
+                        continue
                     o, l = launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap)
                     if fill and i == 0:
                         out_b.copy_(o)
@@ -161,11 +174,25 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # A row that no task touched sees no key at all (padding under a document mask): its out
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
+    if direct:
+        if out_acc is not out:
+            out[:, :, later[0]:later[1]].copy_(out_acc[:, :, later[0]:later[1]])
+        return out, lse_acc
     if not keep_local:
         return out_acc.to(q.dtype), lse_acc
     if out_acc is not None:
         _rows(out, *merged).copy_(out_acc)
     return out, lse_acc
+
+
+def _finish(result, summed, later, dtype) -> torch.Tensor:
+    """A gradient at the end of the backward: `result` (the first launch wrote it) with the rows
+    `later` of its float32 accumulator `summed` copied back; or, without one, `summed` cast."""
+    if result is None:
+        return summed.to(dtype)
+    if summed is not result:
+        result[:, :, later[0]:later[1]].copy_(summed[:, :, later[0]:later[1]])
+    return result
 
 
 def _fills_block(block_grads, span_len: int, batch: int) -> bool:
@@ -220,19 +247,29 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             grads = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     else:
         dq_rows, home_keys = (0, local_len), (0, local_len)
-        # As in the forward: where the local step's first launch covers every row (every key), the
-        # float32 dQ (own dK/dV) accumulators start as a copy of its gradients instead of zeros.
+        # As in the forward: where the local step's first launch covers every row (every key of
+        # the rank's block), it writes dQ (dK/dV) straight into the results, and only the rows
+        # (keys) more launches or the chains' returns add to (later_rows / later_keys, hulls) go
+        # through a float32 accumulator: copied in after that launch, back at the end. A row that
+        # one launch finishes keeps that launch's gradient, what a float32 round trip gives back.
         fill_q = fused is not None and fills_rows(fused[0], local_len)
         fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
-        new_acc = lambda like, fill, dtype=acc: torch.empty(like.shape, dtype=dtype, device=like.device) if fill \
-            else torch.zeros(like.shape, dtype=acc, device=like.device)  # noqa: E731
-        # As in the forward: one launch in the pass gives dq as it is; its dK/dV too when no other
-        # rank's share of them comes home (no chain returns this rank's keys).
-        lone = lone_launch(fused, local_len)
-        lone_kv = lone and plan.returned_keys[0] >= plan.returned_keys[1]
-        dq_acc = new_acc(q, fill_q, q.dtype if lone else acc)
+        later_q = later_rows(fused) if fill_q else (0, 0)
+        # (the returned keys count with NoComm too, which adds nothing: the copies are timed as a ring's)
+        later_kv = later_keys(fused, plan.returned_keys) if fill_kv else (0, 0)
+
+        def results(like, fill: bool, later):  # (the result or None, its accumulator)
+            if not fill:
+                return None, torch.zeros(like.shape, dtype=acc, device=like.device)
+            result = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            if like.dtype == acc or later[0] >= later[1]:
+                return result, result
+            return result, torch.empty(like.shape, dtype=acc, device=like.device)  # rows in `later` used
+
+        dq_out, dq_acc = results(q, fill_q, later_q)
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
-        own_dkv = (new_acc(k, fill_kv, k.dtype if lone_kv else acc), new_acc(v, fill_kv, v.dtype if lone_kv else acc))
+        (dk_out, dk_acc), (dv_out, dv_acc) = results(k, fill_kv, later_kv), results(v, fill_kv, later_kv)
+        own_dkv = (dk_acc, dv_acc)
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
     dkv_works = fixed_rows = None
 
@@ -253,17 +290,21 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 dout_b, q_b, out_b, dq_b = fixed_rows[b]
                 k_b, v_b = rows(cur[0], b), rows(cur[1], b)
                 for i, li in enumerate(fused[t]):
-                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale, softcap)
                     first = t == 0 and i == 0
-                    if first and fill_q:
-                        dq_b.copy_(dq_t)
-                    else:
+                    into = dict(dq=rows(dq_out, b) if first and fill_q else None,
+                                dk=rows(dk_out, b) if first and fill_kv else None,
+                                dv=rows(dv_out, b) if first and fill_kv else None)
+                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale,
+                                                       softcap, **into)
+                    if into["dq"] is None:
                         add_rows_(dq_b, li.q, dq_t)
-                    if first and fill_kv:
-                        rows(own_dkv[0], b).copy_(dk_t)
-                        rows(own_dkv[1], b).copy_(dv_t)
-                    else:
+                    elif dq_acc is not dq_out:  # the rows later launches add to, in float32
+                        dq_b[later_q[0]:later_q[1]].copy_(dq_t[later_q[0]:later_q[1]])
+                    if into["dk"] is None:
                         block_grads.append((b, li.k, dk_t, dv_t))
+                    elif dk_acc is not dk_out:
+                        for acc_t, got in ((dk_acc, dk_t), (dv_acc, dv_t)):
+                            rows(acc_t, b)[later_kv[0]:later_kv[1]].copy_(got[later_kv[0]:later_kv[1]])
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -336,7 +377,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             cur = nxt
     comm.finish()
     if not keep_local:
-        return dq_acc.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype)
+        return tuple(_finish(result, summed, later, like.dtype) for result, summed, later, like in (
+            (dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k), (dv_out, dv_acc, later_kv, v)))
     _rows(grads[0], *dq_rows).copy_(dq_acc)
     for g, summed in zip(grads[1:], own_dkv):
         _rows(g, *home_keys).copy_(summed)

@@ -174,6 +174,24 @@ class Kernel:
             return dq_all, dk_all, dv_all
         return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
 
+    # Into given tensors: the ring's first launch of a pass writes its results straight into the
+    # call's outputs (dtcp/exec/ring.py). Kernels that take output tensors override these; here the
+    # results are copied in (the same values).
+    def varlen_forward_into(self, q, k, v, seqs: VarlenSeqs, window, scale, out, lse, softcap=None, sink=None):
+        """varlen_forward, its results written into out (Tq, Hq, Dv) and lse (Hq, Tq) (float32;
+        float64 for float64), which may be strided views (last dim contiguous). Returns (out, lse)."""
+        o, l = self.varlen_forward(q, k, v, seqs, window, scale, softcap=softcap, sink=sink)
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse
+
+    def varlen_backward_into(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None,
+                             dq=None, dk=None, dv=None):
+        """varlen_backward, each gradient written into dq / dk / dv where given (strided views of
+        q's, k's and v's shapes and dtypes, last dim contiguous), else returned fresh."""
+        grads = self.varlen_backward(dout, q, k, v, out, lse, seqs, window, scale, softcap=softcap)
+        return tuple(g if into is None else into.copy_(g) for g, into in zip(grads, (dq, dk, dv)))
+
 
 def seq_slice(start: int, end: int) -> tuple:
     """Index of sequence positions [start, end) of a (B, H, L, D) or (B, H, L) tensor."""

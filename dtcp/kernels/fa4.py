@@ -316,22 +316,31 @@ class Fa4Kernel(Kernel):
 
     # ---- varlen: (T, H, D) rows, one launch -----------------------------------------------------------------
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
+        return self.varlen_forward_into(q, k, v, seqs, window, scale, None, None, softcap=softcap, sink=sink)
+
+    def varlen_forward_into(self, q, k, v, seqs: VarlenSeqs, window, scale, out, lse, softcap=None, sink=None):
+        # FA4 takes its output tensors (out=, lse=: strided views allowed, last dim contiguous and
+        # 16-byte aligned strides, which rows views of (B, H, L, D) tensors with D % 8 == 0 have).
         res = _interface()._flash_attn_fwd(
             q, k, v, cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
             seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
             max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, softmax_scale=scale,
             softcap=None if softcap is None else float(softcap),
             learnable_sink=None if sink is None else sink.to(device=q.device, dtype=torch.float32).contiguous(),
-            return_lse=True, **fa4_varlen_window(window),
+            return_lse=True, out=out, lse=lse, **fa4_varlen_window(window),
         )
         return res[0], res[1]  # out (Tq, Hq, Dv), lse (Hq, Tq) float32
 
     def varlen_backward(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None):
+        return self.varlen_backward_into(dout, q, k, v, out, lse, seqs, window, scale, softcap=softcap)
+
+    def varlen_backward_into(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None,
+                             dq=None, dk=None, dv=None):
         dq, dk, dv = _interface()._flash_attn_bwd(
             q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32), softmax_scale=scale,
             softcap=0.0 if softcap is None else float(softcap),
             cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
             seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
-            max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, **fa4_varlen_window(window),
+            max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, dq=dq, dk=dk, dv=dv, **fa4_varlen_window(window),
         )[:3]
         return dq, dk, dv

@@ -163,3 +163,39 @@ def test_triton_merge_with_a_row_mask():
     assert not got_out.isnan().any() and not got_lse.isnan().any()
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_launch_into_strided_results_equals_a_fresh_launch(backend, hkv):
+    """The ring's first launch writes into the call's results (out, lse, dq, dk, dv: rows views
+    of (B, H, L, D) tensors, strided): what the kernel returns as fresh tensors, and nothing
+    outside the views is written. The forward bit for bit; the backward to one bf16 rounding (its
+    dQ (and GQA dK/dV) sum over key tiles with float32 atomics, in an order that varies from call
+    to call: flash's two fresh calls differ so too), where a wrong layout would differ by O(1)."""
+    kernel = KERNELS[backend]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batch, length = 2, 1536
+    q, dout = (torch.randn(batch, HQ, length, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, hkv, length, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    why = kernel.feature_reason(q, v, None, False) or kernel.reject_reason(q, k, [])
+    if why is not None:
+        pytest.skip(f"{backend}: {why}")
+    cu = [0, 300, 301, 1100, length]
+    t = torch.tensor([cu, cu], dtype=torch.int32, device="cuda")
+    seqs = VarlenSeqs(tuple(cu), tuple(cu), t[0], t[1], 799, 799)
+    window, scale = (-1, 0), D ** -0.5
+    rows = lambda x, b: x[b].transpose(0, 1)  # noqa: E731  (L, H, D), strided
+    for b in range(batch):
+        out, lse = kernel.varlen_forward(rows(q, b), rows(k, b), rows(v, b), seqs, window, scale)
+        grads = kernel.varlen_backward(rows(dout, b), rows(q, b), rows(k, b), rows(v, b), out, lse, seqs, window, scale)
+        into = [torch.full((batch,) + x.shape[1:], 7.0, device="cuda", dtype=x.dtype) for x in (q, q, k, v)]
+        lse_into = torch.full((batch, HQ, length), 7.0, device="cuda")
+        kernel.varlen_forward_into(rows(q, b), rows(k, b), rows(v, b), seqs, window, scale, rows(into[0], b), lse_into[b])
+        kernel.varlen_backward_into(rows(dout, b), rows(q, b), rows(k, b), rows(v, b), out, lse, seqs, window, scale,
+                                    dq=rows(into[1], b), dk=rows(into[2], b), dv=rows(into[3], b))
+        assert torch.equal(rows(into[0], b), out) and torch.equal(lse_into[b], lse)
+        for got, want in zip([rows(x, b) for x in into[1:]], grads):  # within one bf16 rounding of the value
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+        for x in into + [lse_into]:  # the other batch row untouched
+            assert (x[1 - b] == 7.0).all()
