@@ -314,15 +314,22 @@ def fused_launches(plan, refuse=None):
 
 def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
     """Bytes per (query row x head x head-dim element) that the fused ring's float32 accumulators
-    move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels:
-    the accumulator started from the local step's first launch where it covers every row (read
-    2 bytes, write 4; else a zero fill of 4 and a merge), a merge (read 4 + 2, write 4) for every
-    other launch's rows, 16 more where a launch's rows are scattered (gathered in, merged,
-    scattered back; not with `gaps`, a kernel that reads rows lying apart in order in place, merged
-    range by range), and the final cast (read 4, write 2). `steps`: fused_launches(plan)."""
+    move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels.
+    Where the local step's first launch covers every row it writes the results itself, and only
+    the hull of the rows the other launches touch goes through float32 (exec/fused.py
+    later_rows): copied in after it (read 2 bytes, write 4) and back at the end (read 4, write
+    2); else a zero fill (4) and the final cast (read 4, write 2) over every row. Then a merge
+    (read 4 + 2, write 4) for every other launch's rows, 16 more where a launch's rows are
+    scattered (gathered in, merged, scattered back; not with `gaps`, a kernel that reads rows
+    lying apart in order in place, merged range by range). `steps`: fused_launches(plan)."""
     first = steps[0][0] if steps and steps[0] else None
     fill = first is not None and first.q_span == (0, local_len)
-    total = (6 if fill else 4) * local_len + 6 * local_len
+    if fill:
+        later = [(a, b) for launches in steps for launch in launches if launch is not first
+                 for a, b in launch.q_ranges if a < b]
+        total = 12 * (max(b for _, b in later) - min(a for a, _ in later)) if later else 0
+    else:
+        total = 10 * local_len
     for launches in steps:
         for launch in launches:
             if fill and launch is first:
