@@ -386,3 +386,45 @@ def test_row_and_receive_views_are_the_plain_views():
         assert v.is_contiguous() and v.data_ptr() == t.data_ptr() and torch.equal(v, want)
     with pytest.raises(RuntimeError, match="does not fit"):
         fit_views(slot, [(1, 2, 11, 6), (1, 1, 1, 1)])
+
+
+def direct_compiled():
+    """tests/test_dynamic_shapes.py's compiled Balanced layer (a new placement every step, two
+    packed lengths) with one-launch ring steps: how many first launches wrote the results
+    directly (forward, backward), and its results."""
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.cpu_flash import CpuFlashKernel
+    from test_dynamic_shapes import balanced_compiled
+
+    runs = {"into_forward": 0, "into_backward": 0}
+    into_fwd, into_bwd = CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into
+
+    def counted_fwd(self, *a, **k):
+        runs["into_forward"] += 1
+        return into_fwd(self, *a, **k)
+
+    def counted_bwd(self, *a, **k):
+        runs["into_backward"] += 1
+        return into_bwd(self, *a, **k)
+
+    CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into = counted_fwd, counted_bwd
+    CpuFlashKernel.varlen_one_launch = True  # (the kernel "auto" takes on CPU; its varlen loop stands in)
+    try:
+        return {**balanced_compiled("aot_eager"), **runs}
+    finally:
+        CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into = into_fwd, into_bwd
+        CpuFlashKernel.varlen_one_launch = False
+        route_mod.clear_routes()
+
+
+def test_direct_first_launch_compiled_with_new_documents_every_step():
+    """torch.compile(fullgraph=True), aot_eager, 2 ranks, one-launch ring steps whose first launch
+    writes the results: equal to eager (out and every gradient), no graph break, no recompile for
+    a new document mix, one for the new packed length; the direct writes ran, compiled and eager."""
+    from test_dynamic_shapes import BALANCED_STEPS
+    first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
+    for r in run_ranks(2, direct_compiled, timeout=400):
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["into_forward"] >= 2 * len(BALANCED_STEPS) and r["into_backward"] >= 2 * len(BALANCED_STEPS), r
+        assert r["frames"][:first_new_length] == [1] * first_new_length, r
+        assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r

@@ -41,6 +41,8 @@ def dense_reference(q, k, v, *, mask, scale, softcap=None, sinks=None):
 
 def errors(layout_spec, s, *, is_causal=True, window=None, cu=None, heads=(4, 2), d=8, dv=None, b=2,
            softcap=None, with_sinks=False, strategy="ring", backend="auto", seed=0, group=None):
+    # (cu: the documents of the reference's mask, and passed as cu_seqlens unless the layout
+    # carries them itself, as Balanced does)
     hq, hkv = heads
     dv = dv or d
     layout = dtcp.layout_from_spec(layout_spec)
@@ -63,7 +65,7 @@ def errors(layout_spec, s, *, is_causal=True, window=None, cu=None, heads=(4, 2)
                   window_size=window, softcap=softcap, sinks=my_sinks, strategy=strategy, backend=backend)
     if group is not None:
         kwargs["group"] = group
-    if cu is not None:
+    if cu is not None and not isinstance(layout, dtcp.Balanced):
         kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
     out, lse = dtcp.ring_attention(*local, **kwargs)
     out.backward(layout.shard(dout, group, dim=2))
@@ -85,6 +87,39 @@ def assert_exact(results, what):
         for key in KEYS:
             if key in r:
                 assert r[key] < 1e-10, (what, key, r)
+
+
+def one_launch_errors(*args, **kwargs):
+    """`errors` with the ring's steps as one varlen launch each (the math kernel's varlen loop
+    stands in for FA4's one launch): with a sink the float32 accumulators cover every row (the
+    sink is added once per row after the merge); without, the first launch writes the results.
+    Also: how many varlen launches ran."""
+    from dtcp.kernels.math import MathKernel
+    dtcp.exec.route.clear_routes()
+    launches = [0]
+    varlen_fwd = MathKernel.varlen_forward
+
+    def counted(self, *a, **k):
+        launches[0] += 1
+        return varlen_fwd(self, *a, **k)
+
+    MathKernel.varlen_one_launch, MathKernel.varlen_forward = True, counted
+    try:
+        return {**errors(*args, backend="math", **kwargs), "launches": launches[0]}
+    finally:
+        MathKernel.varlen_one_launch, MathKernel.varlen_forward = False, varlen_fwd
+        dtcp.exec.route.clear_routes()
+
+
+@pytest.mark.parametrize("features", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("layout", ["zigzag", "balanced@1:9,3,14,6"])
+def test_softcap_and_sinks_with_one_launch_steps(features, layout):
+    """The fused ring (one varlen launch a step, as FA4 runs it; packed documents, where a step
+    has several tasks) with softcap and sinks, 4 ranks, float64: exact, and the launches ran."""
+    opts = dict(softcap=2.5 if features != "sinks" else None, with_sinks=features != "softcap")
+    results = run_ranks(4, one_launch_errors, layout, 32, cu=[0, 9, 12, 26, 32], **opts)
+    assert_exact(results, (layout, features))
+    assert any(r["launches"] > 0 for r in results), results  # (a rank whose steps are one task each runs them so)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
