@@ -4,8 +4,9 @@ Forward: Q stays; K/V blocks travel one rank per step, each with only the keys i
 (its span, dtcp/plan/ring.py). The next block's transfer is issued before the current block's
 kernels so communication overlaps compute. Partial results merge into float32 (out, lse)
 accumulators (float64 for float64 inputs); when the local block's kernel calls are disjoint (one
-call, or one per document), only the rows later blocks reach get one, and the rest keep the
-local call's result as the kernel returned it.
+call, or one per document), or its first one-launch step covers every row (written straight into
+the results: exec/fused.py `later_rows`), only the rows later blocks reach get one, and the rest
+keep the local call's result as the kernel returned it.
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
