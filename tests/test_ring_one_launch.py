@@ -296,7 +296,8 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False):
     whether the results are bitwise equal, and their dtypes."""
     import dtcp.exec.ring as ring_mod
     from dtcp.kernels.math import MathKernel
-    from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, later_keys, later_rows
+    from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, launches_of
+    from dtcp.plan.fuse import later_keys, later_rows
     dtcp.exec.route.clear_routes()
     MathKernel.varlen_one_launch = True
     MathKernel.varlen_gaps = gaps
@@ -321,15 +322,17 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False):
         route = _the_route()
         local_len = s // dist.get_world_size()
         fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
-        rows_hull = later_rows(fused) if fills_rows(fused[0], local_len) else (0, local_len)
-        keys_hull = later_keys(fused, route.plan.returned_keys) if fills_keys(fused[0], local_len) else (0, local_len)
+        launches = launches_of(fused)
+        rows_hull = later_rows(launches) if fills_rows(fused[0], local_len) else (0, local_len)
+        keys_hull = later_keys(launches, route.plan.returned_keys) if fills_keys(fused[0], local_len) \
+            else (0, local_len)
         return {"direct": fills_rows(fused[0], local_len), "launches": sum(map(len, fused)),
                 "rows_in_float32": max(0, rows_hull[1] - rows_hull[0]) / local_len,
                 "keys_in_float32": max(0, keys_hull[1] - keys_hull[0]) / local_len,
                 "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
                 "dtypes": [str(x.dtype) for x in results[0]]}
     finally:
-        ring_mod.later_rows, ring_mod.later_keys = dtcp.exec.fused.later_rows, dtcp.exec.fused.later_keys
+        ring_mod.later_rows, ring_mod.later_keys = later_rows, later_keys
         MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
 

@@ -143,32 +143,10 @@ def fills_rows(launches, local_len: int) -> bool:
     return bool(launches) and launches[0].launch.q_span == (0, local_len)
 
 
-def _extent(where: Where) -> tuple[int, int]:
-    """The rows (keys) a merge or add for `where` reads and writes: its span (a window's whole
-    span with a row mask), else the hull of its ranges."""
-    if where.span is not None:
-        return where.span
-    return min(a for a, _ in where.ranges), max(b for _, b in where.ranges)
-
-
-def _hull(spans) -> tuple[int, int]:
-    spans = [s for s in spans if s[0] < s[1]]
-    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
-
-
-def later_rows(fused) -> tuple[int, int]:
-    """The hull of the query rows that the launches after a fused pass's first one (step 0's
-    first) merge into or add to: (0, 0) when none. Where the first launch covers every row, the
-    rows outside this hull have one launch's result: that result is final."""
-    launches = [li for launches in fused for li in launches][1:]
-    return _hull(_extent(li.q) for li in launches)
-
-
-def later_keys(fused, returned: tuple[int, int]) -> tuple[int, int]:
-    """The hull of the rank's own keys whose dK/dV more than the local step's first launch adds
-    to: the local step's other launches, and the `returned` hull (the shares that come home at
-    the chains' ends, RingPlan.returned_keys)."""
-    return _hull([_extent(li.k) for li in fused[0][1:]] + [returned])
+def launches_of(fused) -> tuple[tuple[Launch, ...], ...]:
+    """Each step's launches as the plan has them (keys counted from the held span's start), for
+    plan/fuse.py's later_rows and later_keys."""
+    return tuple(tuple(li.launch for li in step) for step in fused)
 
 
 def fills_keys(launches, kv_len: int) -> bool:

@@ -5,7 +5,7 @@ Forward: Q stays; K/V blocks travel one rank per step, each with only the keys i
 kernels so communication overlaps compute. Partial results merge into float32 (out, lse)
 accumulators (float64 for float64 inputs); when the local block's kernel calls are disjoint (one
 call, or one per document), or its first one-launch step covers every row (written straight into
-the results: exec/fused.py `later_rows`), only the rows later blocks reach get one, and the rest
+the results: plan/fuse.py `later_rows`), only the rows later blocks reach get one, and the rest
 keep the local call's result as the kernel returned it.
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
@@ -32,8 +32,9 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, later_keys, later_rows, launch_backward,
-                    launch_forward, merge_launch_, rows)
+from ..plan.fuse import later_keys, later_rows
+from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, launch_backward, launch_forward, launches_of,
+                    merge_launch_, rows)
 from .merge import apply_sink_, merge_into_
 
 
@@ -90,16 +91,16 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # One varlen launch per step (and window) where the kernel has one (dtcp/exec/fused.py); its
     # results merge into float32 accumulators. Where the local step's first launch covers every
     # row, it writes straight into the call's out and lse (`direct`), and only the rows later
-    # launches merge into (fused.later_rows, a hull) go through the float32 accumulator: copied in
-    # after that launch, back at the end. The rows outside keep the kernel's output as it wrote it,
-    # which is what a float32 round trip would give back (the same values): on a Balanced rank most
-    # rows are documents held whole, which one launch finishes (no copy at all for them, where the
-    # accumulator moved 12 bytes an element; 0 where the pass is one launch).
+    # launches merge into (plan/fuse.py later_rows, a hull) go through the float32 accumulator:
+    # copied in after that launch, back at the end. The rows outside keep the kernel's output as it
+    # wrote it, which is what a float32 round trip would give back (the same values): on a Balanced
+    # rank most rows are documents held whole, which one launch finishes (no copy at all for them,
+    # where the accumulator moved 12 bytes an element; 0 where the pass is one launch).
     fused = fused_steps(plan, kernel, q.device)
     keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
     direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
-    later = later_rows(fused) if direct else (0, local_len)
+    later = later_rows(launches_of(fused)) if direct else (0, local_len)
 
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
         return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -255,9 +256,10 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         # one launch finishes keeps that launch's gradient, what a float32 round trip gives back.
         fill_q = fused is not None and fills_rows(fused[0], local_len)
         fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
-        later_q = later_rows(fused) if fill_q else (0, 0)
+        launches = launches_of(fused) if fill_q or fill_kv else None
+        later_q = later_rows(launches) if fill_q else (0, 0)
         # (the returned keys count with NoComm too, which adds nothing: the copies are timed as a ring's)
-        later_kv = later_keys(fused, plan.returned_keys) if fill_kv else (0, 0)
+        later_kv = later_keys(launches, plan.returned_keys) if fill_kv else (0, 0)
 
         def results(like, fill: bool, later):  # (the result or None, its accumulator)
             if not fill:

@@ -31,6 +31,7 @@ from functools import cached_property, lru_cache
 import bisect
 
 from .mask import Band, Task, coalesce_full
+from .ring import _hull
 
 
 @dataclass(frozen=True)
@@ -312,22 +313,36 @@ def fused_launches(plan, refuse=None):
 
 
 
+def later_rows(steps) -> tuple[int, int]:
+    """The hull of the query rows that the launches after a pass's first one (step 0's first)
+    merge into or add to: (0, 0) when none. Where the first launch covers every row, the rows
+    outside it have that launch's result, final (exec/ring.py writes it straight into the
+    results). `steps`: each step's launches."""
+    launches = [launch for step in steps for launch in step][1:]
+    return _hull(r for launch in launches for r in launch.q_ranges)
+
+
+def later_keys(steps, returned: tuple[int, int]) -> tuple[int, int]:
+    """The hull of the rank's own keys whose dK/dV more than the local step's first launch adds
+    to: the local step's other launches, and `returned` (the shares that come home at the chains'
+    ends, RingPlan.returned_keys)."""
+    return _hull([r for launch in steps[0][1:] for r in launch.k_ranges] + [returned])
+
+
 def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
     """Bytes per (query row x head x head-dim element) that the fused ring's float32 accumulators
     move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels.
     Where the local step's first launch covers every row it writes the results itself, and only
-    the hull of the rows the other launches touch goes through float32 (exec/fused.py
-    later_rows): copied in after it (read 2 bytes, write 4) and back at the end (read 4, write
-    2); else a zero fill (4) and the final cast (read 4, write 2) over every row. Then a merge
+    the hull of the rows the other launches touch goes through float32 (`later_rows`): copied
+    in after it (read 2 bytes, write 4) and back at the end (read 4, write 2); else a zero fill (4) and the final cast (read 4, write 2) over every row. Then a merge
     (read 4 + 2, write 4) for every other launch's rows, 16 more where a launch's rows are
     scattered (gathered in, merged, scattered back; not with `gaps`, a kernel that reads rows
     lying apart in order in place, merged range by range). `steps`: fused_launches(plan)."""
     first = steps[0][0] if steps and steps[0] else None
     fill = first is not None and first.q_span == (0, local_len)
     if fill:
-        later = [(a, b) for launches in steps for launch in launches if launch is not first
-                 for a, b in launch.q_ranges if a < b]
-        total = 12 * (max(b for _, b in later) - min(a for a, _ in later)) if later else 0
+        start, end = later_rows(steps)
+        total = 12 * (end - start)
     else:
         total = 10 * local_len
     for launches in steps:
