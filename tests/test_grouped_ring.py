@@ -374,3 +374,106 @@ def test_group_launches_follow_the_gaps_setting(monkeypatch):
         off = _group_indices(plan, kernel, torch.device("cpu"), 2)
     assert on is not None and off is not None and on is not off
     assert all(not li.q.gapped and not li.k.gapped for _, li in off if li is not None)
+
+
+@pytest.mark.parametrize("layout,docs,causal,n", GROUP_PLANS, ids=str)
+def test_share_writes_give_the_summed_shares(layout, docs, causal, n):
+    """Each step's share built by share_writes (the first piece on a key copied, later ones
+    added, the keys no piece holds zeroed) equals a zero fill plus every piece's add, exactly
+    (integers), on every group of every rank; duplicates (a key packed twice) do occur."""
+    from dtcp.plan.group import share_writes
+
+    s = sum(docs) if docs else 16 * n
+    mask = AttnMask.make(causal, (-1, 0) if causal else (-1, -1), segments_of(docs) if docs else None)
+    adds = 0
+    for size in (2, 3, 8):
+        for plan in ring_plans(layout, s // n, n, causal, mask):
+            for group in group_launches(plan, size) or ():
+                if group.launch is None:
+                    continue
+                span_lens = tuple(plan.steps[t].span_len for t in group.steps)
+                packed = torch.arange(1, group.packed_len + 1, dtype=torch.int64) * 1000
+                for j, (writes, zeros) in enumerate(share_writes(group, span_lens)):
+                    want = torch.zeros(span_lens[j], dtype=torch.int64)
+                    off = 0
+                    for jj, a, e in group.pieces:
+                        if jj == j:
+                            want[a:e] += packed[off:off + e - a]
+                        off += e - a
+                    got = torch.full((span_lens[j],), -7, dtype=torch.int64)  # (garbage: an empty buffer)
+                    for first, a, e, o in writes:
+                        if first:
+                            got[a:e] = packed[o:o + e - a]
+                        else:
+                            got[a:e] += packed[o:o + e - a]
+                            adds += 1
+                    for a, e in zeros:
+                        got[a:e] = 0
+                    assert torch.equal(got, want), (plan.rank, size, j, group)
+    if n >= 4 and isinstance(layout, (dtcp.Balanced, dtcp.Zigzag)):
+        assert adds > 0  # two chunks of a rank see the same earlier keys: packed twice
+
+
+def grouped_direct_results(spec, docs, size, heads=(4, 2), batch=1, gaps=False):
+    """ring_attention in bf16 in groups of `size`, twice: as it runs (the local step's first
+    launch writes out, lse, dq, dk, dv straight into the results; float32 only over the hulls of
+    the rows and keys later launches and the shares coming home add to), and with the hulls forced
+    to every row and key. Whether the results are bitwise equal, and whether the direct writes ran."""
+    import dtcp.exec.grouped as grouped_mod
+    from dtcp.exec.fused import fills_rows, fused_steps
+    from dtcp.kernels.math import MathKernel
+    from dtcp.plan.fuse import later_keys, later_rows
+
+    dtcp.exec.route.clear_routes()
+    MathKernel.varlen_one_launch = True
+    MathKernel.varlen_gaps = gaps
+    try:
+        layout = dtcp.layout_from_spec(spec)
+        s = sum(docs)
+        g = torch.Generator().manual_seed(5)
+        full = [torch.randn(batch, h, s, 16, generator=g).to(torch.bfloat16)
+                for h in (heads[0], heads[1], heads[1], heads[0])]
+        kwargs = {} if isinstance(layout, (dtcp.Balanced, dtcp.DocZigzag)) else \
+            {"cu_seqlens": torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))], dtype=torch.int32)}
+        results = []
+        with dtcp.config.override(ring_steps_per_launch=size):
+            for hulls in ("own", "all"):
+                if hulls == "all":
+                    grouped_mod.later_rows = lambda launches: (0, s)
+                    grouped_mod.later_keys = lambda launches, returned: (0, s)
+                local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
+                out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, return_lse=True,
+                                               enable_gqa=heads[0] != heads[1], strategy="ring", backend="math",
+                                               **kwargs)
+                out.backward(layout.shard(full[3], dim=2))
+                results.append((out, lse, *(t.grad for t in local)))
+            from dtcp.comm import state_of
+            route = next(iter(dtcp.exec.route._routes_of(state_of(dist.group.WORLD)).values()))
+            fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
+            return {"grouped": grouped_mod.grouped(route.plan, route.kernel),
+                    "direct": fused is not None and fills_rows(fused[0], s // dist.get_world_size()),
+                    "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
+                    "dtypes": [str(x.dtype) for x in results[0]]}
+    finally:
+        grouped_mod.later_rows, grouped_mod.later_keys = later_rows, later_keys
+        MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
+        dtcp.exec.route.clear_routes()
+
+
+GROUPED_DIRECT_CASES = [  # (world size, layout spec, documents, group size, heads, batch, gaps)
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), 2, (4, 2), 2, False),
+    (8, "balanced@1:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), 7, (4, 2), 1, True),
+    (4, "zigzag", (9, 3, 12, 8), 3, (4, 2), 1, False),
+]
+
+
+@pytest.mark.parametrize("n,spec,docs,size,heads,batch,gaps", GROUPED_DIRECT_CASES, ids=str)
+def test_grouped_first_launch_writes_the_results_directly(n, spec, docs, size, heads, batch, gaps):
+    """In groups too, the local step's first launch writes the results and float32 holds only the
+    hulls (the shares that come home included): bf16 results bitwise equal to float32 over every
+    row and key (a hull that misses a later launch or a returned share loses it: not equal)."""
+    results = run_ranks(n, grouped_direct_results, spec, docs, size, heads, batch, gaps)
+    for r in results:
+        assert r["grouped"] and all(r["bitwise"]), r
+        assert r["dtypes"][0] == "torch.bfloat16" and r["dtypes"][1] == "torch.float32", r
+    assert any(r["direct"] for r in results), results

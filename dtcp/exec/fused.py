@@ -154,6 +154,30 @@ def fills_keys(launches, kv_len: int) -> bool:
     return bool(launches) and launches[0].launch.k_span == (0, kv_len)
 
 
+def direct_results(shape, dtype, acc, device, later: tuple[int, int]):
+    """(result, accumulator) of a pass whose first launch writes `result` (B, H, L, D) itself:
+    the accumulator (float32; float64 for float64) serves only the rows (keys) `later`, a hull,
+    that more launches merge or add into (copied in after the first launch, back by
+    `finish_results`); it is the result itself where there are none or `dtype` is `acc`."""
+    result = torch.empty(shape, dtype=dtype, device=device)
+    if dtype == acc or later[0] >= later[1]:
+        return result, result
+    return result, torch.empty(shape, dtype=acc, device=device)
+
+
+def seed_later_(acc_rows: torch.Tensor, result_rows: torch.Tensor, later: tuple[int, int]) -> None:
+    """After the first launch: its result on the rows `later`, into the accumulator (rows form)."""
+    if acc_rows.data_ptr() != result_rows.data_ptr():
+        acc_rows[later[0]:later[1]].copy_(result_rows[later[0]:later[1]])
+
+
+def finish_results(result: torch.Tensor, summed: torch.Tensor, later: tuple[int, int]) -> torch.Tensor:
+    """`result` with the rows `later` of its accumulator `summed` copied back (direct_results)."""
+    if summed is not result:
+        result[:, :, later[0]:later[1]].copy_(summed[:, :, later[0]:later[1]])
+    return result
+
+
 def rows(x: torch.Tensor, b: int) -> torch.Tensor:
     """Batch row b of a (B, H, L, D) tensor as (L, H, D), a view: x[b].transpose(0, 1) in one
     tensor op instead of two (called per step and tensor: host time on a host-bound ring)."""

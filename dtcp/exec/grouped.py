@@ -32,10 +32,12 @@ from ..config import config
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from ..plan.group import group_launches, step_chunks
+from ..plan.fuse import later_keys, later_rows
+from ..plan.group import group_launches, share_writes, step_chunks
+from ..plan.ring import _hull
 from .allgather import bounded_put
-from .fused import (_indexed, add_rows_, fills_rows, fused_steps, fuses, launch_backward, launch_forward, merge_launch_,
-                    rows, takes_gaps)
+from .fused import (_indexed, add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, fuses,
+                    launch_backward, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
@@ -109,6 +111,16 @@ def _packed(blocks, pieces, which: int, b: int) -> torch.Tensor:
     return torch.cat([rows(blocks[j][which], b)[a:e] for j, a, e in pieces])
 
 
+def _launches(fused, groups) -> tuple:
+    """The pass's launches, a tuple per launch site: the local step's, then each group's (or,
+    where the rank runs its received blocks step by step, each step's), for plan/fuse.py's
+    later_rows / later_keys."""
+    local = tuple(li.launch for li in fused[0])
+    if groups is None:
+        return (local,) + tuple(tuple(li.launch for li in step) for step in fused[1:])
+    return (local,) + tuple((g.launch,) for g, _ in groups if g.launch is not None)
+
+
 def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
     """As exec/ring.py ring_forward (same arguments and results), the received blocks in groups."""
     acc = acc_dtype(q.dtype)
@@ -122,35 +134,42 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
     fused = fused_steps(plan, kernel, q.device)
     groups = _group_indices(plan, kernel, q.device, size)
 
-    # The local step first (while the first group's blocks arrive). Where its first launch covers
-    # every row, the accumulators start as its result (no zero fill and no merge).
-    fill = fused is not None and fills_rows(fused[0], local_len)
-    out_acc = torch.empty(out_shape, dtype=acc, device=q.device) if fill else \
-        torch.zeros(out_shape, dtype=acc, device=q.device)
-    lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device) if fill else \
-        torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    # The local step first (while the first group's blocks arrive). As in the ring: where its
+    # first launch covers every row, it writes out and lse straight into the results, and only
+    # the hull of the rows later launches merge into goes through float32 (`later`); with a sink
+    # every row's result changes after the merge, so float32 covers every row.
+    direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
+    later = later_rows(_launches(fused, groups)) if direct else (0, local_len)
+    out = None
+    if direct:
+        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, later)
+        lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    else:
+        out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     q_rows = [rows(q, b) for b in range(batch)]
     out_rows = [rows(out_acc, b) for b in range(batch)]
 
-    def run_step(t: int, block, first: bool = False) -> None:
+    def run_step(t: int, block) -> None:
         step = plan.steps[t]
         if fused is not None:
             for b in range(batch):
                 k_b, v_b = rows(block[0], b), rows(block[1], b)
                 for i, li in enumerate(fused[t]):
+                    if direct and t == 0 and i == 0:
+                        final = rows(out, b)
+                        launch_forward(kernel, q_rows[b], k_b, v_b, li, scale, softcap, into=(final, lse_acc[b]))
+                        seed_later_(out_rows[b], final, later)
+                        continue
                     o, l = launch_forward(kernel, q_rows[b], k_b, v_b, li, scale, softcap)
-                    if first and i == 0:
-                        out_rows[b].copy_(o)
-                        lse_acc[b].copy_(l)
-                    else:
-                        merge_launch_(out_rows[b], lse_acc[b], li, o, l)
+                    merge_launch_(out_rows[b], lse_acc[b], li, o, l)
             return
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             o, l = kernel.forward(q[qs], block[0][ks], block[1][ks], task.lo, task.hi, scale, softcap=softcap)
             merge_into_(out_acc[qs], lse_acc[qs], o, l)
 
-    run_step(0, tuple(_rows(x, *plan.steps[0].span) for x in local), first=fill)
+    run_step(0, tuple(_rows(x, *plan.steps[0].span) for x in local))
     for i, chunk in enumerate(chunks):
         blocks.start(i + 1)  # the next group's transfers run under this group's launch
         held = blocks.take(i)
@@ -170,13 +189,15 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
         apply_sink_(out_acc, lse_acc, sink)
     # rows no task touched (padding under a document mask): out 0, lse 0 (as the ring)
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
+    if direct:
+        return finish_results(out, out_acc, later), lse_acc
     return out_acc.to(q.dtype), lse_acc
 
 
 def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None):
     """As exec/ring.py ring_backward (same arguments and results), the received blocks in groups."""
     acc = acc_dtype(q.dtype)
-    batch = q.shape[0]
+    batch, local_len = q.shape[0], q.shape[2]
     local = (k.contiguous(), v.contiguous())
     size = config.ring_steps_per_launch
     chunks = step_chunks(len(plan.steps), size)
@@ -185,8 +206,24 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
     moves = blocks.moves
     fused = fused_steps(plan, kernel, q.device)
     groups = _group_indices(plan, kernel, q.device, size)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    own_dkv = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+    # As the ring's: where the local step's first launch covers every row (every key of the
+    # rank's block), it writes dQ (dK/dV) straight into the results, and float32 holds only the
+    # hull of the rows (keys) more launches or the shares coming home add to.
+    fill_q = fused is not None and fills_rows(fused[0], local_len)
+    fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
+    launches = _launches(fused, groups) if fill_q or fill_kv else None
+    later_q = later_rows(launches) if fill_q else (0, 0)
+    # (every received step's share comes home; with NoComm nothing does, but the adds are timed)
+    later_kv = later_keys(launches, _hull(step.home_span for step in plan.steps[1:])) if fill_kv else (0, 0)
+
+    def results(like, fill: bool, later):  # (the result or None, its accumulator)
+        if not fill:
+            return None, torch.zeros(like.shape, dtype=acc, device=like.device)
+        return direct_results(like.shape, like.dtype, acc, like.device, later)
+
+    dq_out, dq_acc = results(q, fill_q, later_q)
+    (dk_out, dk_acc), (dv_out, dv_acc) = results(k, fill_kv, later_kv), results(v, fill_kv, later_kv)
+    own_dkv = (dk_acc, dv_acc)
     fixed = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(batch)]
 
     def run_step(t: int, block, dkv) -> None:
@@ -196,11 +233,23 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             for b in range(batch):
                 dout_b, q_b, out_b, dq_b = fixed[b]
                 k_b, v_b = rows(block[0], b), rows(block[1], b)
-                for li in fused[t]:
-                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale, softcap)
-                    add_rows_(dq_b, li.q, dq_t)
-                    add_rows_(rows(dkv[0], b), li.k, dk_t)
-                    add_rows_(rows(dkv[1], b), li.k, dv_t)
+                for i, li in enumerate(fused[t]):
+                    first = t == 0 and i == 0
+                    into = dict(dq=rows(dq_out, b) if first and fill_q else None,
+                                dk=rows(dk_out, b) if first and fill_kv else None,
+                                dv=rows(dv_out, b) if first and fill_kv else None)
+                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale,
+                                                       softcap, **into)
+                    if into["dq"] is None:
+                        add_rows_(dq_b, li.q, dq_t)
+                    else:
+                        seed_later_(dq_b, dq_t, later_q)
+                    if into["dk"] is None:
+                        add_rows_(rows(dkv[0], b), li.k, dk_t)
+                        add_rows_(rows(dkv[1], b), li.k, dv_t)
+                    else:
+                        seed_later_(rows(dkv[0], b), dk_t, later_kv)
+                        seed_later_(rows(dkv[1], b), dv_t, later_kv)
             return
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -210,8 +259,9 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             dkv[0][ks].add_(dk_t)
             dkv[1][ks].add_(dv_t)
 
-    def shares_of(chunk) -> list:
-        return [tuple(torch.zeros(x.shape[:2] + (plan.steps[t].span_len,) + x.shape[3:], dtype=acc, device=x.device)
+    def new_shares(chunk, zero: bool) -> list:
+        alloc = torch.zeros if zero else torch.empty
+        return [tuple(alloc(x.shape[:2] + (plan.steps[t].span_len,) + x.shape[3:], dtype=acc, device=x.device)
                       for x in local) for t in chunk]
 
     def send_home(i: int, chunk, shares) -> list:
@@ -234,32 +284,42 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             for mine, got in zip(own_dkv, incoming):
                 _rows(mine, *span).add_(got)
 
-    run_step(0, tuple(_rows(x, *plan.steps[0].span) for x in local),
-             tuple(_rows(x, *plan.steps[0].span) for x in own_dkv))
+    step0 = plan.steps[0].span
+    run_step(0, tuple(_rows(x, *step0) for x in local), tuple(_rows(x, *step0) for x in own_dkv))
     in_flight = None
     for i, chunk in enumerate(chunks):
         blocks.start(i + 1)
         held = blocks.take(i)
-        shares = shares_of(chunk)
         if groups is None:
+            shares = new_shares(chunk, zero=True)
             for t, block, dkv in zip(chunk, held, shares):
                 run_step(t, block, dkv)
         else:
             group, li = groups[i]
+            shares = new_shares(chunk, zero=li is None)
+            # each key's first share is copied in, later ones added, keys no piece holds zeroed
+            writes = share_writes(group, tuple(plan.steps[t].span_len for t in chunk)) if li is not None else ()
             for b in range(batch) if li is not None else ():
                 dout_b, q_b, out_b, dq_b = fixed[b]
                 dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, _packed(held, group.pieces, 0, b),
                                                    _packed(held, group.pieces, 1, b), out_b, lse[b], li, scale, softcap)
                 add_rows_(dq_b, li.q, dq_t)
-                off = 0
-                for j, a, e in group.pieces:  # each run's share onto its block (a key packed twice: both)
-                    rows(shares[j][0], b)[a:e].add_(dk_t[off:off + e - a])
-                    rows(shares[j][1], b)[a:e].add_(dv_t[off:off + e - a])
-                    off += e - a
+                for share, (step_writes, zeros) in zip(shares, writes):
+                    for mine, got in zip(share, (dk_t, dv_t)):
+                        mine_b = rows(mine, b)
+                        for first, a, e, off in step_writes:
+                            if first:
+                                mine_b[a:e].copy_(got[off:off + e - a])
+                            else:
+                                mine_b[a:e].add_(got[off:off + e - a])
+                        for a, e in zeros:
+                            mine_b[a:e].zero_()
         if in_flight is not None:
             land(in_flight)  # the previous group's shares, sent while this group computed
         in_flight = send_home(i, chunk, shares)
     if in_flight is not None:
         land(in_flight)
     comm.finish()
-    return dq_acc.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype)
+    return tuple(summed.to(like.dtype) if result is None else finish_results(result, summed, later)
+                 for result, summed, later, like in ((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
+                                                     (dv_out, dv_acc, later_kv, v)))

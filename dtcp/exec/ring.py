@@ -33,8 +33,8 @@ from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
-from .fused import (add_rows_, fills_keys, fills_rows, fused_steps, launch_backward, launch_forward, launches_of,
-                    merge_launch_, rows)
+from .fused import (add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, launch_backward,
+                    launch_forward, launches_of, merge_launch_, rows, seed_later_)
 from .merge import apply_sink_, merge_into_
 
 
@@ -108,11 +108,9 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     out = out_acc = lse_acc = q_rows = None
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
         out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
-    if direct:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    if direct:  # (rows outside `later` are never read or written here: no fill)
+        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, later)
         lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
-        # (rows outside `later` are never read or written here: no fill)
-        out_acc = out if acc == q.dtype or later[0] >= later[1] else torch.empty(out_shape, dtype=acc, device=q.device)
 
     for t, step in enumerate(plan.steps):
         works = None
@@ -134,8 +132,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                     if direct and t == 0 and i == 0:
                         final = rows(out, b)
                         launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap, into=(final, lse_acc[b]))
-                        if out_acc is not out:  # the rows later launches merge into, in float32
-                            out_b[later[0]:later[1]].copy_(final[later[0]:later[1]])
+                        seed_later_(out_b, final, later)  # the rows later launches merge into, in float32
                         continue
                     o, l = launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap)
                     if fill and i == 0:
@@ -177,9 +174,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # stays 0; give it a finite lse (0, as PyTorch's CPU flash kernel does) instead of -inf.
     lse_acc.masked_fill_(torch.isneginf(lse_acc), 0.0)
     if direct:
-        if out_acc is not out:
-            out[:, :, later[0]:later[1]].copy_(out_acc[:, :, later[0]:later[1]])
-        return out, lse_acc
+        return finish_results(out, out_acc, later), lse_acc
     if not keep_local:
         return out_acc.to(q.dtype), lse_acc
     if out_acc is not None:
@@ -190,11 +185,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
 def _finish(result, summed, later, dtype) -> torch.Tensor:
     """A gradient at the end of the backward: `result` (the first launch wrote it) with the rows
     `later` of its float32 accumulator `summed` copied back; or, without one, `summed` cast."""
-    if result is None:
-        return summed.to(dtype)
-    if summed is not result:
-        result[:, :, later[0]:later[1]].copy_(summed[:, :, later[0]:later[1]])
-    return result
+    return summed.to(dtype) if result is None else finish_results(result, summed, later)
 
 
 def _fills_block(block_grads, span_len: int, batch: int) -> bool:
@@ -264,10 +255,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         def results(like, fill: bool, later):  # (the result or None, its accumulator)
             if not fill:
                 return None, torch.zeros(like.shape, dtype=acc, device=like.device)
-            result = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-            if like.dtype == acc or later[0] >= later[1]:
-                return result, result
-            return result, torch.empty(like.shape, dtype=acc, device=like.device)  # rows in `later` used
+            return direct_results(like.shape, like.dtype, acc, like.device, later)
 
         dq_out, dq_acc = results(q, fill_q, later_q)
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
@@ -301,13 +289,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                                                        softcap, **into)
                     if into["dq"] is None:
                         add_rows_(dq_b, li.q, dq_t)
-                    elif dq_acc is not dq_out:  # the rows later launches add to, in float32
-                        dq_b[later_q[0]:later_q[1]].copy_(dq_t[later_q[0]:later_q[1]])
+                    else:  # the rows later launches add to, in float32
+                        seed_later_(dq_b, dq_t, later_q)
                     if into["dk"] is None:
                         block_grads.append((b, li.k, dk_t, dv_t))
-                    elif dk_acc is not dk_out:
-                        for acc_t, got in ((dk_acc, dk_t), (dv_acc, dv_t)):
-                            rows(acc_t, b)[later_kv[0]:later_kv[1]].copy_(got[later_kv[0]:later_kv[1]])
+                    else:
+                        seed_later_(rows(dk_acc, b), dk_t, later_kv)
+                        seed_later_(rows(dv_acc, b), dv_t, later_kv)
                     del dq_t, dk_t, dv_t
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)

@@ -52,6 +52,60 @@ class StepGroup:
         return sum(e - a for _, a, e in self.pieces)
 
 
+@lru_cache(maxsize=1024)
+def share_writes(group: StepGroup, span_lens: tuple[int, ...]) -> tuple[tuple, ...]:
+    """How the group launch's dK/dV (packed like its keys) become each step's share, the
+    gradient of that step's held span: per step j, (writes, zeros). `writes`: (first, a, e, off)
+    in packed order, keys [a, e) of the span from packed rows [off, off + e - a), `first` where no
+    earlier piece wrote those keys (a copy; else an add: a key packed twice gets both shares, in
+    packed order). `zeros`: the span's keys no piece holds, [a, e). Copies where there were a zero
+    fill and an add give the same float32 values: 0 + x is x. span_lens[j]: step j's span length."""
+    out = []
+    for j, span_len in enumerate(span_lens):
+        writes, covered, off = [], [], 0
+        for jj, a, e in group.pieces:
+            if jj == j:
+                for x, y, first in _split_covered(a, e, covered):
+                    writes.append((first, x, y, off + x - a))
+                covered = _union(covered, (a, e))
+            off += e - a
+        zeros, at = [], 0
+        for x, y in covered:
+            if x > at:
+                zeros.append((at, x))
+            at = max(at, y)
+        if at < span_len:
+            zeros.append((at, span_len))
+        out.append((tuple(writes), tuple(zeros)))
+    return tuple(out)
+
+
+def _split_covered(a: int, e: int, covered) -> list[tuple[int, int, bool]]:
+    """[a, e) cut at the edges of the sorted, disjoint `covered` ranges: (x, y, not covered)."""
+    parts, at = [], a
+    for x, y in covered:
+        if y <= at or x >= e:
+            continue
+        if x > at:
+            parts.append((at, x, True))
+        parts.append((max(at, x), min(e, y), False))
+        at = min(e, y)
+    if at < e:
+        parts.append((at, e, True))
+    return parts
+
+
+def _union(covered, r) -> list[tuple[int, int]]:
+    """Sorted, disjoint ranges `covered` with range r added (touching ranges joined)."""
+    out = []
+    for x, y in sorted(list(covered) + [r]):
+        if out and x <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], y))
+        else:
+            out.append((x, y))
+    return out
+
+
 def step_chunks(num_steps: int, size: int) -> tuple[tuple[int, ...], ...]:
     """Steps 1 .. num_steps - 1 (the received blocks) in consecutive groups of `size` (the last
     may be shorter). Step 0, the local block, is never in a group: it runs while the first group's
