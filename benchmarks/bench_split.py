@@ -395,16 +395,20 @@ def rank_jobs(point: Point, strategy: str, device, dtype, u: int = 0) -> list[Ra
             why = allgather_reason(point.layout, l_len, n, one_launch=point.cu_values is not None)
             if why is not None:
                 raise NotApplicable(why)
+        built = []
         for r in range(n):
             problem = R._problem(q, point.args, point.cu_values, _Group(n, r), None)
             try:
-                plan, kernel = R._plan_and_kernel(strategy, problem.layout, q, k, k, point.args, problem.row_segments,
-                                                  n, r, False)
+                built.append(R._plan_and_kernel(strategy, problem.layout, q, k, k, point.args, problem.row_segments,
+                                                n, r, False))
             except ValueError as e:
                 if strategy == "allgather":  # the route's refusal (no one-launch varlen kernel for these runs)
                     raise NotApplicable(str(e)) from None
                 raise
-            route = R.Route(_Group(n, r), None, strategy, strategy, None, plan, kernel, {}, None)
+        # the ring's steps per launch as route_for chooses them (the setting, or "auto": the cost model's)
+        size = R.ring_steps([plan for plan, _ in built], built[0][1], q, k, k, n) if strategy == "ring" else 1
+        for r, (plan, kernel) in enumerate(built):
+            route = R.Route(_Group(n, r), None, strategy, strategy, None, plan, kernel, {}, None, size)
             jobs.append(RankJob(route, plan, kernel, tuple(q.shape), tuple(k.shape), True,
                                 plan_work(plan) * point.hq, rank=r))
         return jobs
@@ -930,9 +934,9 @@ def parse_args(argv=None):
                    help="print torch.profiler's top kernels of the slowest rank, per point")
     p.add_argument("--min-chunk", type=int, default=None,
                    help="Balanced(min_chunk=) (default 512 x --seq-scale, at least 1)")
-    p.add_argument("--ring-steps-per-launch", type=int, default=None,
+    p.add_argument("--ring-steps-per-launch", type=_steps_per_launch, default=None,
                    help="dtcp.config.ring_steps_per_launch for the ring (default: the config's; G > 1: the "
-                        "received blocks in groups of G, one launch a group)")
+                        "received blocks in groups of G, one launch a group; auto: the cost model's G per point)")
     p.add_argument("--seq-scale", default="1", help="every length times this (a fraction: 1/128 for a CPU smoke run)")
     p.add_argument("--rank-sample", type=int, default=None, help="time at most this many ranks per ring/all-gather "
                                                                  "point (0: all; default: the case's own)")
@@ -947,6 +951,10 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write the split ratio against N per case as a PNG here")
     p.add_argument("--plot-from", default=None, help="only make --plot from this JSON (no runs)")
     return p.parse_args(argv)
+
+
+def _steps_per_launch(value: str):
+    return value if value == "auto" else int(value)
 
 
 def main(argv=None) -> dict:
@@ -1058,6 +1066,7 @@ def main(argv=None) -> dict:
                             summary["work_imbalance"] = max(works) / (sum(works) / len(works)) if sum(works) else 1.0
                             summary.update(device_summary(per_rank, ref, n, sum(j.work * j.weight for j in jobs)))
                             rec.update(summary, kernel=jobs[0].kernel.name, exchange=jobs[0].route.exchange,
+                                       steps_per_launch=jobs[0].route.steps_per_launch,
                                        plan=plan_kind(jobs[0].plan), work_per_rank=[j.work for j in jobs],
                                        ranks=per_rank)
                         except NotApplicable as e:
@@ -1081,7 +1090,8 @@ def main(argv=None) -> dict:
                               f"{_span(lf) + '/' + _span(lb):>14} {rec['work_imbalance']:>6.3f} {peak:>9} "
                               f"{rec['slowest_ms']:>10.3f} | {rec['split_device']:>6.3f} "
                               f"{_num(rec['kernel_efficiency']):>8} {rec['other_ms']:>8.3f} {rec['host_ms']:>8.3f} "
-                              f"{rec['bound']}{' (sampled ranks)' if rec['total_work_estimated'] else ''}")
+                              f"{rec['bound']}{' (sampled ranks)' if rec['total_work_estimated'] else ''}"
+                              f"{'' if rec.get('steps_per_launch', 1) == 1 else ' G=' + str(rec['steps_per_launch'])}")
                     _auto_check(results, point, measured, device, dtype, case, hlabel, n, layout_name)
             print(f"   [{time.perf_counter() - start:.0f} s so far]")
             _write(results, args.out)  # after every case: a run stopped from outside keeps what it measured

@@ -22,7 +22,7 @@ nothing reads the environment or a module global on the hot path.
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
 | `ring_one_launch` | True | | a ring step's tasks (document pieces, chunk pairs, diagonal and off-diagonal blocks) as one varlen launch per window where the kernel has one (fa4, flash) |
 | `varlen_gaps` | True | | ... and a launch whose rows or keys lie apart (in order) reads them in place, leaving the rows between out (FA4's seqused), instead of gathering them |
-| `ring_steps_per_launch` | 1 | `DTCP_RING_STEPS_PER_LAUNCH` | G > 1: the ring's received blocks in groups of G, each block straight from its home rank and each group one launch where the kernel has one-launch steps (dtcp/exec/grouped.py) |
+| `ring_steps_per_launch` | 1 | `DTCP_RING_STEPS_PER_LAUNCH` | G > 1: the ring's received blocks in groups of G, each block straight from its home rank and each group one launch where the kernel has one-launch steps (dtcp/exec/grouped.py); "auto": G per call from the cost model (groups only where it predicts them 10% faster than G = 1) |
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterator
+from typing import Iterator, Union
 
 _CHOICES = {
     "transport": ("auto", "ce", "nccl"),
@@ -64,7 +64,7 @@ class Config:
     one_launch: bool = True
     ring_one_launch: bool = True
     varlen_gaps: bool = True
-    ring_steps_per_launch: int = 1
+    ring_steps_per_launch: Union[int, str] = 1
     cost_machine: object = None
 
     def __setattr__(self, name: str, value) -> None:
@@ -85,7 +85,8 @@ class Config:
         if "DTCP_MERGE" in os.environ:
             cfg.merge = os.environ["DTCP_MERGE"].strip().lower()
         if "DTCP_RING_STEPS_PER_LAUNCH" in os.environ:
-            cfg.ring_steps_per_launch = int(os.environ["DTCP_RING_STEPS_PER_LAUNCH"])
+            value = os.environ["DTCP_RING_STEPS_PER_LAUNCH"].strip().lower()
+            cfg.ring_steps_per_launch = value if value == "auto" else int(value)
         return cfg
 
     @contextlib.contextmanager
@@ -115,9 +116,9 @@ def _checked(name: str, value):
             raise ValueError(f"dtcp.config.allgather_max_bytes must be an int >= 0; got {value!r}")
         return value
     if name == "ring_steps_per_launch":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"dtcp.config.ring_steps_per_launch must be an int >= 1 (1: one launch per ring step); "
-                             f"got {value!r}")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"dtcp.config.ring_steps_per_launch must be an int >= 1 (1: one launch per ring step) "
+                             f"or \"auto\" (the cost model chooses per call); got {value!r}")
         return value
     if name == "cost_machine":
         if value is not None and not hasattr(value, "kernel_flops_per_s"):

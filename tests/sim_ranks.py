@@ -29,14 +29,20 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
     plans = ring_plans(layout, local_len, n, is_causal, mask)
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     kern = locked(kernel)
+    from dtcp.exec.route import ring_steps
+    # as the route runs it: in groups where dtcp.config.ring_steps_per_launch asks for them (or,
+    # with "auto", where the cost model chooses them)
+    size = ring_steps(plans, kernel, *(t[:, :, :local_len] for t in (q, k, v)), n)
 
     def rank_fn(r, comm):
         from dtcp.exec.grouped import grouped, grouped_backward, grouped_forward
         qr, kr, vr, dr = (shard(t, r) for t in (q, k, v, dout))
-        # as the route runs it: in groups where dtcp.config.ring_steps_per_launch asks for them
-        fwd, bwd = (grouped_forward, grouped_backward) if grouped(plans[r], kern) else (ring_forward, ring_backward)
-        out, lse = fwd(qr, kr, vr, plans[r], kern, scale, comm)
-        dq, dk, dv = bwd(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm)
+        if grouped(plans[r], kern, size):
+            out, lse = grouped_forward(qr, kr, vr, plans[r], kern, scale, comm, size=size)
+            dq, dk, dv = grouped_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm, size=size)
+        else:
+            out, lse = ring_forward(qr, kr, vr, plans[r], kern, scale, comm)
+            dq, dk, dv = ring_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm)
         return out, lse, dq, dk, dv
 
     results = SimulatedRing(n).run(rank_fn)

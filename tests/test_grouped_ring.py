@@ -92,7 +92,19 @@ def test_the_setting_is_checked():
         dtcp.config.ring_steps_per_launch = 0
     with pytest.raises(ValueError, match="ring_steps_per_launch"):
         dtcp.config.ring_steps_per_launch = True
+    with pytest.raises(ValueError, match='or "auto"'):
+        dtcp.config.ring_steps_per_launch = "fast"
     assert dtcp.config.ring_steps_per_launch == 1
+    with dtcp.config.override(ring_steps_per_launch="auto"):
+        assert dtcp.config.ring_steps_per_launch == "auto"
+
+
+def test_the_setting_from_the_environment(monkeypatch):
+    from dtcp.config import Config
+    monkeypatch.setenv("DTCP_RING_STEPS_PER_LAUNCH", "Auto")
+    assert Config.from_env().ring_steps_per_launch == "auto"
+    monkeypatch.setenv("DTCP_RING_STEPS_PER_LAUNCH", "4")
+    assert Config.from_env().ring_steps_per_launch == 4
 
 
 # ---- on ranks ----------------------------------------------------------------------------------------
@@ -157,7 +169,8 @@ def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=
             errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
             from dtcp.exec.grouped import grouped
             return {**errs, "launches": launches, "kv_bytes": kv_bytes, "grad_bytes": grad_bytes,
-                    "grouped": grouped(route.plan, route.kernel), "steps": len(route.plan.steps)}
+                    "grouped": grouped(route.plan, route.kernel, route.steps_per_launch), "steps": len(route.plan.steps),
+                    "size": route.steps_per_launch}
     finally:
         MathKernel.varlen_forward, MathKernel.forward = varlen_fwd, fwd
         MathKernel.varlen_one_launch = False
@@ -192,6 +205,26 @@ def test_grouped_ring_exact(n, spec, docs, causal, window, size, heads, batch):
     # blocks, nor a window's bands: those run step by step); launches count per batch row
     if grouped[0]["grouped"] and window == (-1, -1) and batch == 1 and not spec.startswith("striped"):
         assert sum(r["launches"] for r in grouped) < sum(r["launches"] for r in ring), (grouped, ring)
+
+
+AUTO_CASES = [  # (world size, layout spec, documents, grouped)
+    (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), True),  # tiny launches: the model groups them
+    (2, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), False),  # one round: nothing to group
+]
+
+
+@pytest.mark.parametrize("n,spec,docs,want_grouped", AUTO_CASES, ids=str)
+def test_auto_steps_per_launch(n, spec, docs, want_grouped):
+    """ring_steps_per_launch="auto": every rank takes the cost model's size (the same on every
+    rank: it is computed over every rank's plan), groups where the model predicts them faster,
+    and stays exact (float64, 1e-10)."""
+    results = run_ranks(n, grouped_errors, spec, docs, True, (-1, -1), "auto", (4, 2), 1)
+    assert len({r["size"] for r in results}) == 1, results
+    for r in results:
+        assert max(r[key] for key in KEYS) < 1e-10, r
+        assert r["grouped"] == want_grouped, r
+    if want_grouped:
+        assert results[0]["size"] == results[0]["steps"] - 1  # one group of every received block
 
 
 def test_grouped_ring_needs_a_one_launch_kernel():
@@ -251,8 +284,7 @@ def test_the_cost_model_counts_the_group_launches():
     totals = [0, 0]
     for plan in plans:
         per_step, rows = _launches(plan, fa4)
-        with dtcp.config.override(ring_steps_per_launch=4):
-            grouped, grouped_rows = _launches(plan, fa4)
+        grouped, grouped_rows = _launches(plan, fa4, 4)
         groups = group_launches(plan, 4)
         assert grouped == len(plan_launches(plan)[0]) + sum(g.launch is not None for g in groups), plan.rank
         assert grouped <= per_step and grouped_rows <= rows, (plan.rank, grouped, per_step)
@@ -450,7 +482,7 @@ def grouped_direct_results(spec, docs, size, heads=(4, 2), batch=1, gaps=False):
             from dtcp.comm import state_of
             route = next(iter(dtcp.exec.route._routes_of(state_of(dist.group.WORLD)).values()))
             fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
-            return {"grouped": grouped_mod.grouped(route.plan, route.kernel),
+            return {"grouped": grouped_mod.grouped(route.plan, route.kernel, route.steps_per_launch),
                     "direct": fused is not None and fills_rows(fused[0], s // dist.get_world_size()),
                     "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
                     "dtypes": [str(x.dtype) for x in results[0]]}

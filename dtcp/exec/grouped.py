@@ -1,4 +1,5 @@
-"""The ring with its steps in groups (`dtcp.config.ring_steps_per_launch` = G > 1): forward and
+"""The ring with its steps in groups (`dtcp.config.ring_steps_per_launch` = G > 1, or "auto"
+and the cost model's choice: exec/route.py ring_steps): forward and
 backward over a `RingPlan`, on plain tensors.
 
 The plan is the ring's (dtcp/plan/ring.py); what changes is how blocks travel and how many
@@ -28,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from ..comm.p2p import NoComm, fit_views
-from ..config import config
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
@@ -42,11 +42,11 @@ from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
 
-def grouped(plan: RingPlan, kernel: Kernel) -> bool:
-    """Does this ring call run in groups? The same answer on every rank: it depends on the
-    setting, the kernel (one-launch varlen steps) and the number of steps, which every rank's plan
-    shares."""
-    return config.ring_steps_per_launch > 1 and plan.num_rounds >= 2 and fuses(kernel)
+def grouped(plan: RingPlan, kernel: Kernel, size: int) -> bool:
+    """Does this ring call run in groups of `size` (its route's steps_per_launch)? The same answer
+    on every rank: it depends on the size, the kernel (one-launch varlen steps) and the number of
+    steps, which every rank's plan shares."""
+    return size > 1 and plan.num_rounds >= 2 and fuses(kernel)
 
 
 _GROUPS: dict = {}
@@ -121,13 +121,13 @@ def _launches(fused, groups) -> tuple:
     return (local,) + tuple((g.launch,) for g, _ in groups if g.launch is not None)
 
 
-def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
-    """As exec/ring.py ring_forward (same arguments and results), the received blocks in groups."""
+def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None, *, size: int):
+    """As exec/ring.py ring_forward (same arguments and results), the received blocks in groups of
+    `size` steps."""
     acc = acc_dtype(q.dtype)
     batch, local_len = q.shape[0], q.shape[2]
     out_shape = q.shape[:-1] + v.shape[-1:]
     local = (k.contiguous(), v.contiguous())
-    size = config.ring_steps_per_launch
     chunks = step_chunks(len(plan.steps), size)
     blocks = _Blocks(comm, plan, local, chunks)
     blocks.start(0)
@@ -194,12 +194,13 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
     return out_acc.to(q.dtype), lse_acc
 
 
-def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None):
-    """As exec/ring.py ring_backward (same arguments and results), the received blocks in groups."""
+def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, *,
+                     size: int):
+    """As exec/ring.py ring_backward (same arguments and results), the received blocks in groups of
+    `size` steps."""
     acc = acc_dtype(q.dtype)
     batch, local_len = q.shape[0], q.shape[2]
     local = (k.contiguous(), v.contiguous())
-    size = config.ring_steps_per_launch
     chunks = step_chunks(len(plan.steps), size)
     blocks = _Blocks(comm, plan, local, chunks)
     blocks.start(0)

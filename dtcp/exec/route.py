@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -45,7 +45,7 @@ from ..plan import (
     row_cu_seqlens,
     segments_from_cu_seqlens, ulysses_plan, varlen_reason,
 )
-from ..plan.cost import machine_for, rank as rank_strategies
+from ..plan.cost import machine_for, predict, rank as rank_strategies
 from ..plan.fuse import accumulator_traffic, fused_launches, plan_launches
 from ..plan.group import group_launches
 from .allgather import allgather_backward, allgather_forward, varlen_backward, varlen_forward
@@ -94,9 +94,13 @@ class Route:
     attention after it, over `seq_state` (None when that is one rank: "ulysses")."""
 
     def __init__(self, state: GroupState, head_state: Optional[GroupState], strategy: str, exchange: str,
-                 heads: Optional[UlyssesPlan], plan: Plan, kernel: Kernel, signature: dict, softcap: Optional[float]):
+                 heads: Optional[UlyssesPlan], plan: Plan, kernel: Kernel, signature: dict, softcap: Optional[float],
+                 steps_per_launch: int = 1):
         self.state, self.head_state, self.strategy, self.exchange = state, head_state, strategy, exchange
         self.heads, self.plan, self.kernel = heads, plan, kernel
+        # the ring's received blocks per launch (exec/grouped.py; 1: step by step): the setting, or
+        # the cost model's choice for this call (`ring_steps`), the same on every rank
+        self.steps_per_launch = steps_per_launch
         self.signature, self.softcap = signature, softcap
         self.seq_state = None if strategy == "ulysses" else state
 
@@ -169,8 +173,8 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     signature = _signature(q, k, v, args, cu_values, state, head_state, sinks_shape)
     guards = [state] if head_state is None else [head_state, state]  # the same order on every rank
     try:
-        strategy, exchange, heads, plan, kernel = _build(q, k, v, args, cu_values, state, head_state,
-                                                         sinks is not None)
+        strategy, exchange, heads, plan, kernel, size = _build(q, k, v, args, cu_values, state, head_state,
+                                                               sinks is not None)
     except (ValueError, TypeError) as e:
         for s in guards:  # tell the others, then raise
             s.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")
@@ -178,7 +182,7 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     _agree(guards, what, signature)
     if strategy == "ulysses":
         head_state = state  # the 1-D group exchanges heads; nothing moves after
-    route = Route(state, head_state, strategy, exchange, heads, plan, kernel, signature, args.softcap_or_none)
+    route = Route(state, head_state, strategy, exchange, heads, plan, kernel, signature, args.softcap_or_none, size)
     routes[key] = route
     if len(routes) > _MAX_ROUTES:
         routes.popitem(last=False)
@@ -281,18 +285,26 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
 
 
 def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state: Optional[GroupState], sinks: bool):
-    """(strategy, exchange, head plan, this rank's plan, kernel): local and deterministic, so every
-    rank that agrees on the signature builds the same (kernel choice looks at every rank's tasks)."""
+    """(strategy, exchange, head plan, this rank's plan, kernel, ring steps per launch): local and
+    deterministic, so every rank that agrees on the signature builds the same (kernel choice looks
+    at every rank's tasks, and so does the choice of steps per launch)."""
     problem = _problem(q, args, cu_values, state, head_state)
     candidates = strategy_candidates(args.strategy, q, k, v, args, problem)
     error = None
     for strategy in candidates:
         try:
-            if strategy in ("ring", "allgather"):
+            if strategy == "ring":
+                plans, kernel = _plans_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
+                                                  problem.world_size, sinks)
+                size = ring_steps(plans, kernel, q, k, v, problem.world_size)
+                return strategy, strategy, None, plans[problem.cp_rank], kernel, size
+            if strategy == "allgather":
                 plan, kernel = _plan_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
                                                 problem.world_size, problem.cp_rank, sinks)
-                return strategy, strategy, None, plan, kernel
-            return (strategy,) + _heads_route(strategy, q, k, v, args, problem, sinks)
+                return strategy, strategy, None, plan, kernel, 1
+            # (the ring across hybrid groups takes the setting as it is; "auto" runs it step by step)
+            size = config.ring_steps_per_launch if config.ring_steps_per_launch != "auto" else 1
+            return (strategy,) + _heads_route(strategy, q, k, v, args, problem, sinks) + (size,)
         except ValueError as e:  # e.g. the named kernel cannot serve this schedule: try the next
             error = e
     raise error
@@ -424,11 +436,13 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                                                   n, False, target)
         except ValueError:
             continue
-        work = [_launches(plan, kernel) for plan in plans]
+        size = ring_steps(plans, kernel, q, k, v, n) if strategy == "ring" else 1
+        if strategy == "ring":
+            ring_kernel, ring_plans_all, ring_size = kernel, plans, size
+        work = [_launches(plan, kernel, size) for plan in plans]
         pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
         top = max(range(len(plans)), key=lambda rr: pairs[rr])
         kernels[strategy] = kernel.name
-        ring_kernel = kernel if strategy == "ring" else ring_kernel
         launches[strategy] = max(count for count, _ in work)
         rows_per_launch[strategy] = work[top][1] / max(1, work[top][0])
     allowed = list(kernels)
@@ -446,22 +460,20 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
         return max(per_rank) / batch, sum(per_rank) / batch
 
     ring_pairs, total_pairs = per_row(ring_plans)
-    ring_acc_bytes = 0
-    if ring_kernel is not None and fuses(ring_kernel):
-        per_rank = [0] * n
-        gaps = takes_gaps(ring_kernel)
-        for seg in rows:
-            for rr, plan in enumerate(ring_plans(problem.layout, local_len, n, args.is_causal, masks[seg])):
-                fused = fused_launches(plan, ring_kernel.reject_varlen_reason)
-                per_rank[rr] += accumulator_traffic(fused, local_len, gaps) if fused is not None else 0
-        ring_acc_bytes = max(per_rank) / batch
+    ring_acc_bytes = ring_copy_bytes = 0
+    if ring_kernel is not None:  # (the rank that moves most; per batch row)
+        kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
+        traffic = [[_ring_traffic(p, ring_kernel, ring_size, local_len, kv_elems, q.element_size())
+                    for p in _row_plans(plan, batch)] for plan in ring_plans_all]
+        ring_acc_bytes = max(sum(a for a, _ in t) for t in traffic) / batch
+        ring_copy_bytes = max(sum(c for _, c in t) for t in traffic) / batch
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
     ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
-                      ring_calls=launches.get("ring", 1), ring_acc_bytes=ring_acc_bytes,
+                      ring_calls=launches.get("ring", 1), ring_acc_bytes=ring_acc_bytes, ring_copy_bytes=ring_copy_bytes,
                       ring_q_block=max(1, int(rows_per_launch.get("ring", local_len))), allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()))
@@ -485,20 +497,20 @@ def _plan_tasks(plan) -> list:
     return list(plan.tasks)
 
 
-def _launches(plan, kernel: Kernel) -> tuple[int, int]:
+def _launches(plan, kernel: Kernel, size: int = 1) -> tuple[int, int]:
     """(kernel launches of one pass, forward or backward, query rows they cover) of one rank's
     plan as the executors run it: a varlen plan is one launch where the kernel makes it one; a
     ring plan is its fused steps' launches where the kernel has a one-launch varlen form and
     dtcp.config.ring_one_launch is on (plan/fuse.py fused_launches, as exec/fused.py decides),
     else one launch per task."""
     if isinstance(plan, tuple):
-        parts = [_launches(p, kernel) for p in plan]
+        parts = [_launches(p, kernel, size) for p in plan]
         return sum(c for c, _ in parts), sum(r for _, r in parts)
     if isinstance(plan, VarlenPlan):
         rows = sum(q_len for q_len, _ in plan.seq_lens)
         return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
-    if isinstance(plan, RingPlan) and grouped(plan, kernel):  # the received blocks in groups (exec/grouped.py)
-        groups = group_launches(plan, config.ring_steps_per_launch, kernel.reject_varlen_reason)
+    if isinstance(plan, RingPlan) and grouped(plan, kernel, size):  # the received blocks in groups (exec/grouped.py)
+        groups = group_launches(plan, size, kernel.reject_varlen_reason)
         if groups is not None:  # (as exec/grouped.py decides: else step by step)
             local = plan_launches(plan)[0]
             launches = list(local) + [g.launch for g in groups if g.launch is not None]
@@ -508,6 +520,82 @@ def _launches(plan, kernel: Kernel) -> tuple[int, int]:
         if fused is not None:
             return sum(map(len, fused)), sum(launch.cu_q[-1] for step in fused for launch in step)
     return len(plan.tasks), sum(t.q_len for t in plan.tasks)
+
+
+def _row_plans(plan, batch: int) -> list:
+    """One rank's plan per batch row (a plan shared by every row stands for each)."""
+    return list(plan) if isinstance(plan, tuple) else [plan] * batch
+
+
+def _ring_traffic(plan: RingPlan, kernel: Kernel, size: int, local_len: int, kv_elems: int,
+                  elem_bytes: int) -> tuple[float, float]:
+    """(accumulator bytes per query-row element (plan/fuse.py accumulator_traffic), bytes the
+    groups copy) of one pass of one batch row's ring plan, as the executors run it with `size`
+    steps per launch: a group's keys and values packed into one buffer, forward and backward
+    (`kv_elems`: K/V heads x (D + Dv) per key). (0, 0) where the steps run task by task."""
+    if not fuses(kernel):
+        return 0.0, 0.0
+    fused = fused_launches(plan, kernel.reject_varlen_reason)
+    if fused is None:
+        return 0.0, 0.0
+    gaps = takes_gaps(kernel)
+    groups = group_launches(plan, size, kernel.reject_varlen_reason) if grouped(plan, kernel, size) else None
+    if groups is None:
+        return accumulator_traffic(fused, local_len, gaps), 0.0
+    steps = (fused[0],) + tuple((g.launch,) for g in groups if g.launch is not None)
+    packed = sum(g.packed_len for g in groups)
+    return accumulator_traffic(steps, local_len, gaps), 2 * 2 * packed * kv_elems * elem_bytes
+
+
+#: "auto" groups the ring's received blocks only where the cost model predicts the pass this much
+#: faster than step by step: on one H100 (bench_split, FA4, long-tailed mixes and causal 32K at
+#: N = 4-16) the points it predicted within a few percent measured within +-5% either way, and
+#: on 4 H100s with real transfers groups of 3 ran 0-5% slower than the ring at N = 4 (p2p from
+#: the home rank where the ring uses the copy engines).
+GROUP_GAIN = 0.10
+
+
+def ring_steps(plans, kernel: Kernel, q, k, v, n: int) -> int:
+    """The ring's received blocks per launch for this call (exec/grouped.py): the setting
+    dtcp.config.ring_steps_per_launch, or for "auto" the size of 4 or all the plan's rounds (one
+    group) that the cost model predicts fastest for the rank that takes longest, where it beats
+    step by step by GROUP_GAIN, else 1. `plans`: every rank's (each a RingPlan, or one per batch row).
+    Deterministic over the plans, which every rank builds alike: every rank gets the same size."""
+    setting = config.ring_steps_per_launch
+    if setting != "auto":
+        return setting
+    batch, local_len = q.shape[0], q.shape[2]
+    per_rank = [_row_plans(p, batch) for p in plans]
+    rounds = per_rank[0][0].num_rounds
+    if rounds < 2 or not fuses(kernel):
+        return 1
+    machine = machine_for(config.cost_machine)
+    kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
+    pairs = max(sum(plan_pairs(p.tasks) for p in rows) for rows in per_rank) / batch
+    widths = [max(rows[b].steps[t].span_len for rows in per_rank) for b in range(batch) for t in range(1, rounds + 1)]
+    base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
+                     v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
+                     ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
+                     kernels=(("ring", kernel.name),))
+
+    def predicted(size: int) -> float:
+        work = [_launches(p, kernel, size) for p in plans]
+        top = max(range(len(plans)), key=lambda r: sum(plan_pairs(p.tasks) for p in per_rank[r]))
+        traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in rows]
+                   for rows in per_rank]
+        shape = replace(base, ring_calls=max(c for c, _ in work),
+                        ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
+                        ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
+                        ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)
+        return predict("ring", shape, machine).total_s
+
+    step_by_step = predicted(1)
+    best, best_s = 1, step_by_step
+    for size in sorted({min(4, rounds), rounds}):
+        t = predicted(size)
+        if t < best_s:
+            best, best_s = size, t
+    return best if best_s <= (1 - GROUP_GAIN) * step_by_step else 1
 
 
 def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool,
@@ -682,8 +770,10 @@ def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm, sink):
         return allgather_forward(q, k, v, route.comm_group(), plan, route.kernel, scale, keep_kv=keep_gathered_kv,
                                  **options)
     if isinstance(plan, RingPlan):
-        run = grouped_forward if grouped(plan, route.kernel) else ring_forward
-        return run(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options) + (None,)
+        if grouped(plan, route.kernel, route.steps_per_launch):
+            return grouped_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options,
+                                   size=route.steps_per_launch) + (None,)
+        return ring_forward(q, k, v, plan, route.kernel, scale, comm or _LOCAL, **options) + (None,)
     # one plan per batch row (rows with their own documents, no varlen kernel): a call per row,
     # the same calls in the same order on every rank
     rows = [_forward(route, p, q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, keep_gathered_kv, comm, sink)
@@ -700,8 +790,10 @@ def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm):
         return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale,
                                   kv=gathered_kv, softcap=route.softcap)
     if isinstance(plan, RingPlan):
-        run = grouped_backward if grouped(plan, route.kernel) else ring_backward
-        return run(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
+        if grouped(plan, route.kernel, route.steps_per_launch):
+            return grouped_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL,
+                                    softcap=route.softcap, size=route.steps_per_launch)
+        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
     grads = [
         _backward(route, p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), scale,
                   None if gathered_kv is None else gathered_kv[b], comm)

@@ -135,6 +135,10 @@ class CallShape:
     # bytes the fused ring's float32 accumulators move per query-row element (plan/fuse.py
     # accumulator_traffic, summed over rows; the rank that moves most): 0 where steps run task by task
     ring_acc_bytes: float = 0
+    # bytes the ring in groups (exec/grouped.py) copies per pass beyond the accumulators, per batch
+    # row of the rank that copies most: each group's K/V packed into one buffer, forward and
+    # backward, and its dK/dV shares (0 for the ring step by step)
+    ring_copy_bytes: float = 0
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
@@ -211,9 +215,10 @@ def _flops(shape: CallShape, heads: float, pairs: float) -> float:
 
 def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, heads: float, pairs: int, rounds: int,
           calls: int, q_block: int, kernel_name: Optional[str] = None,
-          acc_bytes: float = 0) -> tuple[float, float, float]:
+          acc_bytes: float = 0, copy_bytes: float = 0) -> tuple[float, float, float]:
     """(total, kernel, comm, exposed) of a ring over `rounds` steps, each moving `kv_len` keys;
-    `acc_bytes`: its fused steps' accumulator traffic (CallShape.ring_acc_bytes)."""
+    `acc_bytes`: its fused steps' accumulator traffic (CallShape.ring_acc_bytes); `copy_bytes`:
+    its groups' copies (CallShape.ring_copy_bytes)."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
                        shape.backward, machine.ring_launch_host_s)
     # Fused steps merge into float32 accumulators over the rank's rows: device memory traffic on
@@ -222,6 +227,7 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
     # tokens of packed documents (bench_strategies.py, 2026-11-26) and picked it over a faster all-gather.
     elems = shape.batch * heads * (shape.v_head_dim + (shape.head_dim if shape.backward else 0))
     kernel += elems * acc_bytes / machine.memory_bytes_per_s
+    kernel += shape.batch * copy_bytes * (1.0 if shape.backward else 0.25) / machine.memory_bytes_per_s
     kv = shape.batch * kv_heads * kv_len * (shape.head_dim + shape.v_head_dim)
     per_step = kernel / (rounds + 1)
     t_fwd = machine.latency_s + kv * shape.elem_bytes / machine.p2p_bytes_per_s
@@ -251,7 +257,7 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         total, kernel, comm, exposed = _ring(machine, shape, shape.kv_heads, kv_len, shape.q_heads,
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
                                              shape.ring_q_block or shape.local_len, shape.kernel_of("ring"),
-                                             shape.ring_acc_bytes)
+                                             shape.ring_acc_bytes, shape.ring_copy_bytes)
         return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed,
                           kernel=shape.kernel_of("ring"), launches=shape.ring_calls)
     if strategy == "allgather":
