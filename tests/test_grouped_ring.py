@@ -259,12 +259,14 @@ def grouped_compiled(size):
         route_mod.clear_routes()
 
 
-def test_grouped_ring_compiled_with_new_documents_every_step():
+@pytest.mark.parametrize("size", [2, "auto"])
+def test_grouped_ring_compiled_with_new_documents_every_step(size):
     """torch.compile(fullgraph=True), aot_eager, 4 ranks: equal to eager (out and every gradient),
-    no graph break, no recompile for a new document mix, one for the new packed length."""
+    no graph break, no recompile for a new document mix, one for the new packed length. With
+    "auto" the size is chosen per call (a new mix is a new route, not a new graph)."""
     from test_dynamic_shapes import BALANCED_STEPS
     first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
-    for r in run_ranks(4, grouped_compiled, 2, timeout=400):
+    for r in run_ranks(4, grouped_compiled, size, timeout=400):
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
         assert r["grouped"] >= len(BALANCED_STEPS), r  # the compiled and eager calls ran in groups
         assert r["frames"][:first_new_length] == [1] * first_new_length, r
@@ -315,6 +317,43 @@ def test_ranks_that_differ_on_the_setting_raise():
     for r in run_ranks(4, settings_that_differ):
         assert r["error"] is not None and "ring_steps_per_launch" in r["error"], r
         assert r["seconds"] < 10, r
+
+
+def machines_that_differ():
+    """ring_steps_per_launch="auto" with the cost model's constants set on rank 0 only (a machine
+    whose launches cost nothing, where groups gain nothing): rank 0 would run step by step and the
+    others in groups. Every rank raises at once, naming what differs."""
+    import dataclasses
+    import time
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.math import MathKernel
+    from dtcp.plan import MACHINES
+
+    route_mod.clear_routes()
+    MathKernel.varlen_one_launch = True
+    docs = (40, 3, 3, 2, 9, 7)
+    layout = dtcp.Balanced(docs, min_chunk=1)
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(1, 4, sum(docs), 8, generator=g, dtype=torch.float64)
+    q = layout.shard(full, dim=2)
+    free = dataclasses.replace(MACHINES["h200-nvlink"], launch_s=0.0, call_overhead_s=0.0, ring_launch_host_s=0.0,
+                               launch_host_s=())
+    start = time.perf_counter()
+    try:
+        with dtcp.config.override(ring_steps_per_launch="auto", cost_machine=free if dist.get_rank() == 0 else None):
+            dtcp.ring_attention(q, q.clone(), q.clone(), layout=layout, is_causal=True, strategy="ring", backend="math")
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
+    finally:
+        MathKernel.varlen_one_launch = False
+        route_mod.clear_routes()
+    return {"error": None}
+
+
+def test_ranks_whose_cost_constants_differ_raise():
+    for r in run_ranks(4, machines_that_differ):
+        assert r["error"] is not None and "ring steps per launch" in r["error"], r
+        assert "cost_machine" in r["error"] and r["seconds"] < 10, r
 
 
 # ---- one rank fails inside a group ---------------------------------------------------------------------

@@ -179,6 +179,12 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
         for s in guards:  # tell the others, then raise
             s.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")
         raise
+    # What the build chose from the cost model (strategy="auto", ring_steps_per_launch="auto") must
+    # be the same on every rank too: ranks whose constants differ (dtcp.config.cost_machine set on
+    # some ranks only) would otherwise run different schedules and wait on each other.
+    signature = dict(signature, **{
+        "strategy chosen (dtcp.config.cost_machine)": strategy,
+        "ring steps per launch (dtcp.config.ring_steps_per_launch, dtcp.config.cost_machine)": str(size)})
     _agree(guards, what, signature)
     if strategy == "ulysses":
         head_state = state  # the 1-D group exchanges heads; nothing moves after
