@@ -165,6 +165,14 @@ def direct_results(shape, dtype, acc, device, later: tuple[int, int]):
     return result, torch.empty(shape, dtype=acc, device=device)
 
 
+def gradient_results(like: torch.Tensor, acc, fill: bool, later: tuple[int, int]):
+    """(result or None, accumulator) of a gradient shaped like `like`: direct_results where the
+    first launch writes it (`fill`), else (None, zeros in `acc` over everything)."""
+    if not fill:
+        return None, torch.zeros(like.shape, dtype=acc, device=like.device)
+    return direct_results(like.shape, like.dtype, acc, like.device, later)
+
+
 def seed_later_(acc_rows: torch.Tensor, result_rows: torch.Tensor, later: tuple[int, int]) -> None:
     """After the first launch: its result on the rows `later`, into the accumulator (rows form)."""
     if acc_rows.data_ptr() != result_rows.data_ptr():

@@ -34,10 +34,9 @@ from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
 from ..plan.group import group_launches, share_writes, step_chunks
-from ..plan.ring import _hull
 from .allgather import bounded_put
 from .fused import (_indexed, add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, fuses,
-                    launch_backward, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
+                    gradient_results, launch_backward, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
@@ -215,15 +214,10 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
     launches = _launches(fused, groups) if fill_q or fill_kv else None
     later_q = later_rows(launches) if fill_q else (0, 0)
     # (every received step's share comes home; with NoComm nothing does, but the adds are timed)
-    later_kv = later_keys(launches, _hull(step.home_span for step in plan.steps[1:])) if fill_kv else (0, 0)
+    later_kv = later_keys(launches, plan.used_keys) if fill_kv else (0, 0)
 
-    def results(like, fill: bool, later):  # (the result or None, its accumulator)
-        if not fill:
-            return None, torch.zeros(like.shape, dtype=acc, device=like.device)
-        return direct_results(like.shape, like.dtype, acc, like.device, later)
-
-    dq_out, dq_acc = results(q, fill_q, later_q)
-    (dk_out, dk_acc), (dv_out, dv_acc) = results(k, fill_kv, later_kv), results(v, fill_kv, later_kv)
+    dq_out, dq_acc = gradient_results(q, acc, fill_q, later_q)
+    (dk_out, dk_acc), (dv_out, dv_acc) = (gradient_results(x, acc, fill_kv, later_kv) for x in (k, v))
     own_dkv = (dk_acc, dv_acc)
     fixed = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(batch)]
 

@@ -33,8 +33,8 @@ from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
-from .fused import (add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, launch_backward,
-                    launch_forward, launches_of, merge_launch_, rows, seed_later_)
+from .fused import (add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, gradient_results,
+                    launch_backward, launch_forward, launches_of, merge_launch_, rows, seed_later_)
 from .merge import apply_sink_, merge_into_
 
 
@@ -252,14 +252,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         # (the returned keys count with NoComm too, which adds nothing: the copies are timed as a ring's)
         later_kv = later_keys(launches, plan.returned_keys) if fill_kv else (0, 0)
 
-        def results(like, fill: bool, later):  # (the result or None, its accumulator)
-            if not fill:
-                return None, torch.zeros(like.shape, dtype=acc, device=like.device)
-            return direct_results(like.shape, like.dtype, acc, like.device, later)
-
-        dq_out, dq_acc = results(q, fill_q, later_q)
+        dq_out, dq_acc = gradient_results(q, acc, fill_q, later_q)
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
-        (dk_out, dk_acc), (dv_out, dv_acc) = results(k, fill_kv, later_kv), results(v, fill_kv, later_kv)
+        (dk_out, dk_acc), (dv_out, dv_acc) = (gradient_results(x, acc, fill_kv, later_kv) for x in (k, v))
         own_dkv = (dk_acc, dv_acc)
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
     dkv_works = fixed_rows = None

@@ -427,7 +427,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
     n, local_len = problem.world_size, q.shape[2]
     target = predicted_target(q, machine_for(config.cost_machine))
     kernels, launches, rows_per_launch = {}, {}, {}
-    ring_kernel = None
+    ring_fields: dict = {}
     for strategy in ("ring", "allgather", "ulysses"):
         try:
             if strategy == "ulysses":
@@ -442,13 +442,13 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                                                   n, False, target)
         except ValueError:
             continue
-        size = ring_steps(plans, kernel, q, k, v, n) if strategy == "ring" else 1
-        if strategy == "ring":
-            ring_kernel, ring_plans_all, ring_size = kernel, plans, size
-        work = [_launches(plan, kernel, size) for plan in plans]
+        kernels[strategy] = kernel.name
+        if strategy == "ring":  # (its launches as the executors run them, at the size they take)
+            ring_fields = _ring_launch_fields(plans, kernel, ring_steps(plans, kernel, q, k, v, n), q, k, v)
+            continue
+        work = [_launches(plan, kernel) for plan in plans]
         pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
         top = max(range(len(plans)), key=lambda rr: pairs[rr])
-        kernels[strategy] = kernel.name
         launches[strategy] = max(count for count, _ in work)
         rows_per_launch[strategy] = work[top][1] / max(1, work[top][0])
     allowed = list(kernels)
@@ -466,21 +466,13 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
         return max(per_rank) / batch, sum(per_rank) / batch
 
     ring_pairs, total_pairs = per_row(ring_plans)
-    ring_acc_bytes = ring_copy_bytes = 0
-    if ring_kernel is not None:  # (the rank that moves most; per batch row)
-        kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
-        traffic = [[_ring_traffic(p, ring_kernel, ring_size, local_len, kv_elems, q.element_size())
-                    for p in _row_plans(plan, batch)] for plan in ring_plans_all]
-        ring_acc_bytes = max(sum(a for a, _ in t) for t in traffic) / batch
-        ring_copy_bytes = max(sum(c for _, c in t) for t in traffic) / batch
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
     ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
-                      ring_calls=launches.get("ring", 1), ring_acc_bytes=ring_acc_bytes, ring_copy_bytes=ring_copy_bytes,
-                      ring_q_block=max(1, int(rows_per_launch.get("ring", local_len))), allgather_pairs=ag_pairs,
+                      **ring_fields, allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()))
     return shape, allowed
@@ -553,6 +545,22 @@ def _ring_traffic(plan: RingPlan, kernel: Kernel, size: int, local_len: int, kv_
     return accumulator_traffic(steps, local_len, gaps), 2 * 2 * packed * kv_elems * elem_bytes
 
 
+def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
+    """CallShape's ring_calls (the rank that launches most), ring_q_block (query rows per launch
+    of the rank with the most pairs), ring_acc_bytes and ring_copy_bytes (the rank that moves
+    most, per batch row) of every rank's plans run at `size` steps per launch."""
+    batch, local_len = q.shape[0], q.shape[2]
+    work = [_launches(plan, kernel, size) for plan in plans]
+    pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
+    top = max(range(len(plans)), key=lambda r: pairs[r])
+    kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
+    traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in _row_plans(plan, batch)]
+               for plan in plans]
+    return dict(ring_calls=max(count for count, _ in work), ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
+                ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
+                ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)
+
+
 #: "auto" groups the ring's received blocks only where the cost model predicts the pass this much
 #: faster than step by step: on one H100 (bench_split, FA4, long-tailed mixes and causal 32K at
 #: N = 4-16) the points it predicted within a few percent measured within +-5% either way, and
@@ -572,28 +580,21 @@ def ring_steps(plans, kernel: Kernel, q, k, v, n: int) -> int:
         return setting
     batch, local_len = q.shape[0], q.shape[2]
     per_rank = [_row_plans(p, batch) for p in plans]
-    rounds = per_rank[0][0].num_rounds
+    row_rounds = [plan.num_rounds for plan in per_rank[0]]  # (every rank's plan of a row has as many)
+    rounds = max(row_rounds)
     if rounds < 2 or not fuses(kernel):
         return 1
     machine = machine_for(config.cost_machine)
-    kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
     pairs = max(sum(plan_pairs(p.tasks) for p in rows) for rows in per_rank) / batch
-    widths = [max(rows[b].steps[t].span_len for rows in per_rank) for b in range(batch) for t in range(1, rounds + 1)]
+    widths = [max(rows[b].steps[t].span_len for rows in per_rank) for b in range(batch)
+              for t in range(1, row_rounds[b] + 1)]
     base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                      ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
                      kernels=(("ring", kernel.name),))
 
     def predicted(size: int) -> float:
-        work = [_launches(p, kernel, size) for p in plans]
-        top = max(range(len(plans)), key=lambda r: sum(plan_pairs(p.tasks) for p in per_rank[r]))
-        traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in rows]
-                   for rows in per_rank]
-        shape = replace(base, ring_calls=max(c for c, _ in work),
-                        ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
-                        ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
-                        ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)
-        return predict("ring", shape, machine).total_s
+        return predict("ring", replace(base, **_ring_launch_fields(plans, kernel, size, q, k, v)), machine).total_s
 
     step_by_step = predicted(1)
     best, best_s = 1, step_by_step

@@ -94,6 +94,12 @@ class RingPlan:
         """The hull of this rank's own keys whose dK/dV come home at the chains' ends."""
         return _hull(self.steps[t].home_span for t in self.chain_ends)
 
+    @cached_property
+    def used_keys(self) -> tuple[int, int]:
+        """The hull of this rank's own keys other ranks use (every received step's home span):
+        in groups (exec/grouped.py) each step's dK/dV share of them comes home."""
+        return _hull(s.home_span for s in self.steps[1:])
+
     @property
     def tasks(self) -> tuple[Task, ...]:
         return tuple(task for step in self.steps for task in step.tasks)
