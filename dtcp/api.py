@@ -298,7 +298,7 @@ def explain(
     for p in preds:
         lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms "
                      f"on {p.kernel} x {p.launches} launches, communication {p.comm_s * 1e3:.3f} ms of which "
-                     f"exposed {p.exposed_comm_s * 1e3:.3f} ms)")
+                     f"exposed {p.exposed_comm_s * 1e3:.3f} ms{'; ' + p.note if p.note else ''})")
     if not preds:
         lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
     elif q.device.type == "meta":

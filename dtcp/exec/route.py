@@ -556,7 +556,8 @@ def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
     kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
     traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in _row_plans(plan, batch)]
                for plan in plans]
-    return dict(ring_calls=max(count for count, _ in work), ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
+    return dict(ring_steps_per_launch=size, ring_calls=max(count for count, _ in work),
+                ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
                 ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
                 ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)
 
@@ -564,8 +565,9 @@ def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
 #: "auto" groups the ring's received blocks only where the cost model predicts the pass this much
 #: faster than step by step: on one H100 (bench_split, FA4, long-tailed mixes and causal 32K at
 #: N = 4-16) the points it predicted within a few percent measured within +-5% either way, and
-#: on 4 H100s with real transfers groups of 3 ran 0-5% slower than the ring at N = 4 (p2p from
-#: the home rank where the ring uses the copy engines).
+#: on 4 H100s with the real transfers (point-to-point from the home rank where the ring uses the
+#: copy engines) groups of 3 ran from 11% faster to 6% slower than the ring at N = 4 (two runs,
+#: benchmarks/results/strategies_4xh100_2026-11-27*_G*.json).
 GROUP_GAIN = 0.10
 
 

@@ -139,6 +139,7 @@ class CallShape:
     # row of the rank that copies most: each group's K/V packed into one buffer, forward and
     # backward, and its dK/dV shares (0 for the ring step by step)
     ring_copy_bytes: float = 0
+    ring_steps_per_launch: int = 1  # received blocks per launch (exec/grouped.py; 1: step by step)
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
@@ -258,7 +259,9 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
                                              shape.ring_pairs, shape.ring_rounds, shape.ring_calls,
                                              shape.ring_q_block or shape.local_len, shape.kernel_of("ring"),
                                              shape.ring_acc_bytes, shape.ring_copy_bytes)
-        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed,
+        g = shape.ring_steps_per_launch
+        note = f"{g} received blocks a launch (dtcp.config.ring_steps_per_launch)" if g > 1 else ""
+        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed, note,
                           kernel=shape.kernel_of("ring"), launches=shape.ring_calls)
     if strategy == "allgather":
         kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs),
