@@ -227,6 +227,36 @@ def test_auto_steps_per_launch(n, spec, docs, want_grouped):
         assert results[0]["size"] == results[0]["steps"] - 1  # one group of every received block
 
 
+def per_row_documents_auto(row_cus):
+    """test_allgather_varlen.py's per-row document check (each batch row its own documents, zigzag,
+    float64 against reference attention) through the ring with ring_steps_per_launch="auto", and
+    how many ring calls ran in groups."""
+    from dtcp.exec import route as route_mod
+    from test_allgather_varlen import per_row_errors
+
+    runs = {"grouped": 0}
+    forward = route_mod.grouped_forward
+
+    def counted(*a, **k):
+        runs["grouped"] += 1
+        return forward(*a, **k)
+
+    route_mod.grouped_forward = counted
+    try:
+        with dtcp.config.override(ring_steps_per_launch="auto"):
+            return {**per_row_errors("zigzag", row_cus, strategy="ring", one_launch=True, local_len=16), **runs}
+    finally:
+        route_mod.grouped_forward = forward
+
+
+def test_auto_steps_per_launch_with_documents_per_batch_row():
+    """Two batch rows with their own documents (one plan per row, rounds counted per row): every
+    rank takes the same size, each row runs in groups, exact to 1e-10."""
+    for r in run_ranks(4, per_row_documents_auto, [[0, 20, 40, 64], [0, 10, 50, 64]]):
+        assert max(r[key] for key in KEYS) < 1e-10, r
+        assert r["grouped"] == 2, r  # one grouped ring call per batch row
+
+
 def test_grouped_ring_needs_a_one_launch_kernel():
     """With a kernel that makes no one-launch steps (the CPU kernels as they are) the ring runs
     as it is: the setting changes nothing there."""
