@@ -7,6 +7,8 @@ ring; the same K/V bytes in all; compiled with a new document structure every st
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -227,12 +229,11 @@ def test_auto_steps_per_launch(n, spec, docs, want_grouped):
         assert results[0]["size"] == results[0]["steps"] - 1  # one group of every received block
 
 
-def per_row_documents_auto(row_cus):
-    """test_allgather_varlen.py's per-row document check (each batch row its own documents, zigzag,
-    float64 against reference attention) through the ring with ring_steps_per_launch="auto", and
-    how many ring calls ran in groups."""
+@contextlib.contextmanager
+def counting_grouped_runs():
+    """{"grouped": how many ring calls ran in groups} within the block (exec/route.py's
+    grouped_forward, counted)."""
     from dtcp.exec import route as route_mod
-    from test_allgather_varlen import per_row_errors
 
     runs = {"grouped": 0}
     forward = route_mod.grouped_forward
@@ -243,10 +244,19 @@ def per_row_documents_auto(row_cus):
 
     route_mod.grouped_forward = counted
     try:
-        with dtcp.config.override(ring_steps_per_launch="auto"):
-            return {**per_row_errors("zigzag", row_cus, strategy="ring", one_launch=True, local_len=16), **runs}
+        yield runs
     finally:
         route_mod.grouped_forward = forward
+
+
+def per_row_documents_auto(row_cus):
+    """test_allgather_varlen.py's per-row document check (each batch row its own documents, zigzag,
+    float64 against reference attention) through the ring with ring_steps_per_launch="auto", and
+    how many ring calls ran in groups."""
+    from test_allgather_varlen import per_row_errors
+
+    with counting_grouped_runs() as runs, dtcp.config.override(ring_steps_per_launch="auto"):
+        return {**per_row_errors("zigzag", row_cus, strategy="ring", one_launch=True, local_len=16), **runs}
 
 
 def test_auto_steps_per_launch_with_documents_per_batch_row():
@@ -271,20 +281,11 @@ def grouped_compiled(size):
     from dtcp.kernels.cpu_flash import CpuFlashKernel
     from test_dynamic_shapes import balanced_compiled
 
-    runs = {"grouped": 0}
-    forward = route_mod.grouped_forward
-
-    def counted(*a, **k):
-        runs["grouped"] += 1
-        return forward(*a, **k)
-
-    route_mod.grouped_forward = counted
     CpuFlashKernel.varlen_one_launch = True  # (the kernel "auto" takes on CPU; its varlen loop stands in)
     try:
-        with dtcp.config.override(ring_steps_per_launch=size):
+        with counting_grouped_runs() as runs, dtcp.config.override(ring_steps_per_launch=size):
             return {**balanced_compiled("aot_eager"), **runs}
     finally:
-        route_mod.grouped_forward = forward
         CpuFlashKernel.varlen_one_launch = False
         route_mod.clear_routes()
 
@@ -515,52 +516,6 @@ def test_share_writes_give_the_summed_shares(layout, docs, causal, n):
         assert adds > 0  # two chunks of a rank see the same earlier keys: packed twice
 
 
-def grouped_direct_results(spec, docs, size, heads=(4, 2), batch=1, gaps=False):
-    """ring_attention in bf16 in groups of `size`, twice: as it runs (the local step's first
-    launch writes out, lse, dq, dk, dv straight into the results; float32 only over the hulls of
-    the rows and keys later launches and the shares coming home add to), and with the hulls forced
-    to every row and key. Whether the results are bitwise equal, and whether the direct writes ran."""
-    import dtcp.exec.grouped as grouped_mod
-    from dtcp.exec.fused import fills_rows, fused_steps
-    from dtcp.kernels.math import MathKernel
-    from dtcp.plan.fuse import later_keys, later_rows
-
-    dtcp.exec.route.clear_routes()
-    MathKernel.varlen_one_launch = True
-    MathKernel.varlen_gaps = gaps
-    try:
-        layout = dtcp.layout_from_spec(spec)
-        s = sum(docs)
-        g = torch.Generator().manual_seed(5)
-        full = [torch.randn(batch, h, s, 16, generator=g).to(torch.bfloat16)
-                for h in (heads[0], heads[1], heads[1], heads[0])]
-        kwargs = {} if isinstance(layout, (dtcp.Balanced, dtcp.DocZigzag)) else \
-            {"cu_seqlens": torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))], dtype=torch.int32)}
-        results = []
-        with dtcp.config.override(ring_steps_per_launch=size):
-            for hulls in ("own", "all"):
-                if hulls == "all":
-                    grouped_mod.later_rows = lambda launches: (0, s)
-                    grouped_mod.later_keys = lambda launches, returned: (0, s)
-                local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
-                out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, return_lse=True,
-                                               enable_gqa=heads[0] != heads[1], strategy="ring", backend="math",
-                                               **kwargs)
-                out.backward(layout.shard(full[3], dim=2))
-                results.append((out, lse, *(t.grad for t in local)))
-            from dtcp.comm import state_of
-            route = next(iter(dtcp.exec.route._routes_of(state_of(dist.group.WORLD)).values()))
-            fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
-            return {"grouped": grouped_mod.grouped(route.plan, route.kernel, route.steps_per_launch),
-                    "direct": fused is not None and fills_rows(fused[0], s // dist.get_world_size()),
-                    "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
-                    "dtypes": [str(x.dtype) for x in results[0]]}
-    finally:
-        grouped_mod.later_rows, grouped_mod.later_keys = later_rows, later_keys
-        MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
-        dtcp.exec.route.clear_routes()
-
-
 GROUPED_DIRECT_CASES = [  # (world size, layout spec, documents, group size, heads, batch, gaps)
     (4, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), 2, (4, 2), 2, False),
     (8, "balanced@1:33,2,1,4,9,5,2,8", (33, 2, 1, 4, 9, 5, 2, 8), 7, (4, 2), 1, True),
@@ -573,7 +528,8 @@ def test_grouped_first_launch_writes_the_results_directly(n, spec, docs, size, h
     """In groups too, the local step's first launch writes the results and float32 holds only the
     hulls (the shares that come home included): bf16 results bitwise equal to float32 over every
     row and key (a hull that misses a later launch or a returned share loses it: not equal)."""
-    results = run_ranks(n, grouped_direct_results, spec, docs, size, heads, batch, gaps)
+    from test_ring_one_launch import direct_write_results
+    results = run_ranks(n, direct_write_results, spec, docs, (-1, -1), heads, batch, gaps, size)
     for r in results:
         assert r["grouped"] and all(r["bitwise"]), r
         assert r["dtypes"][0] == "torch.bfloat16" and r["dtypes"][1] == "torch.float32", r

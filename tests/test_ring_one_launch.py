@@ -288,16 +288,20 @@ def test_the_one_gpu_test_reaches_fa4s_gapped_launches():
     assert gapped >= 10, gapped
 
 
-def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False):
-    """ring_attention in bf16 with one-launch steps, twice: as it runs (the local step's first
-    launch writes out, lse, dq, dk, dv straight into the results; float32 only for the rows and
-    keys that later launches or the chains' returns add to), and with every row and key through
-    float32 (the hulls forced to all). Returns the hulls' share of the rank's rows and keys,
-    whether the results are bitwise equal, and their dtypes."""
+def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, size=1):
+    """ring_attention in bf16 with one-launch steps (in groups of `size` received blocks where
+    it is > 1: exec/grouped.py), twice: as it runs (the local step's first launch writes out, lse,
+    dq, dk, dv straight into the results; float32 only for the rows and keys that later launches,
+    the chains' returns or the groups' shares add to), and with every row and key through float32
+    (the hulls forced to all). Returns whether the results are bitwise equal, their dtypes, whether
+    the direct writes ran and the ring ran in groups; step by step also the hulls' share of the
+    rank's rows and keys."""
+    import dtcp.exec.grouped as grouped_mod
     import dtcp.exec.ring as ring_mod
     from dtcp.kernels.math import MathKernel
     from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, launches_of
     from dtcp.plan.fuse import later_keys, later_rows
+    executor = grouped_mod if size > 1 else ring_mod  # (whose hulls are forced)
     dtcp.exec.route.clear_routes()
     MathKernel.varlen_one_launch = True
     MathKernel.varlen_gaps = gaps
@@ -310,29 +314,36 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False):
         kwargs = {} if isinstance(layout, (dtcp.Balanced, dtcp.DocZigzag)) else \
             {"cu_seqlens": torch.tensor(_cumulative(docs), dtype=torch.int32)}
         results = []
-        for hulls in ("own", "all"):
-            if hulls == "all":
-                ring_mod.later_rows = lambda fused: (0, s)
-                ring_mod.later_keys = lambda fused, returned: (0, s)
-            local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
-            out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window,
-                                           return_lse=True, enable_gqa=True, strategy="ring", backend="math", **kwargs)
-            out.backward(layout.shard(full[3], dim=2))
-            results.append((out, lse, *(t.grad for t in local)))
+        with dtcp.config.override(ring_steps_per_launch=size):
+            for hulls in ("own", "all"):
+                if hulls == "all":
+                    executor.later_rows = lambda launches: (0, s)
+                    executor.later_keys = lambda launches, returned: (0, s)
+                local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
+                out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window,
+                                               return_lse=True, enable_gqa=True, strategy="ring", backend="math",
+                                               **kwargs)
+                out.backward(layout.shard(full[3], dim=2))
+                results.append((out, lse, *(t.grad for t in local)))
         route = _the_route()
         local_len = s // dist.get_world_size()
         fused = fused_steps(route.plan, route.kernel, torch.device("cpu"))
-        launches = launches_of(fused)
-        rows_hull = later_rows(launches) if fills_rows(fused[0], local_len) else (0, local_len)
-        keys_hull = later_keys(launches, route.plan.returned_keys) if fills_keys(fused[0], local_len) \
-            else (0, local_len)
-        return {"direct": fills_rows(fused[0], local_len), "launches": sum(map(len, fused)),
-                "rows_in_float32": max(0, rows_hull[1] - rows_hull[0]) / local_len,
-                "keys_in_float32": max(0, keys_hull[1] - keys_hull[0]) / local_len,
-                "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
-                "dtypes": [str(x.dtype) for x in results[0]]}
+        # (a rank with nothing to fuse runs its steps task by task: no direct writes)
+        got = {"direct": fused is not None and fills_rows(fused[0], local_len),
+               "launches": sum(map(len, fused)) if fused is not None else None,
+               "grouped": grouped_mod.grouped(route.plan, route.kernel, route.steps_per_launch),
+               "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
+               "dtypes": [str(x.dtype) for x in results[0]]}
+        if size == 1:
+            launches = launches_of(fused)
+            rows_hull = later_rows(launches) if fills_rows(fused[0], local_len) else (0, local_len)
+            keys_hull = later_keys(launches, route.plan.returned_keys) if fills_keys(fused[0], local_len) \
+                else (0, local_len)
+            got.update(rows_in_float32=max(0, rows_hull[1] - rows_hull[0]) / local_len,
+                       keys_in_float32=max(0, keys_hull[1] - keys_hull[0]) / local_len)
+        return got
     finally:
-        ring_mod.later_rows, ring_mod.later_keys = later_rows, later_keys
+        executor.later_rows, executor.later_keys = later_rows, later_keys
         MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
 

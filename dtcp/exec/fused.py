@@ -294,6 +294,29 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
     return _landed(got, (dq, dk, dv))
 
 
+def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,
+                     into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0)):
+    """One launch's backward on batch row b, its dQ landed: added into the accumulator's rows, or
+    (`into_q`: the dQ result, which the pass's first launch writes) written there and its rows
+    `later_q` seeded into the accumulator. `fixed_b`: (dout, q, out, dQ accumulator) rows of row b.
+    Returns the launch's (dK, dV) for the caller to add; or None where `into_kv` (the dK and dV
+    results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each)."""
+    dout_b, q_b, out_b, dq_b = fixed_b
+    into = dict(dq=None if into_q is None else rows(into_q, b),
+                dk=None if into_kv is None else rows(into_kv[0], b),
+                dv=None if into_kv is None else rows(into_kv[1], b))
+    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_rows, v_rows, out_b, lse_b, li, scale, softcap, **into)
+    if into_q is None:
+        add_rows_(dq_b, li.q, dq_t)
+    else:  # the rows later launches add to, in float32
+        seed_later_(dq_b, dq_t, later_q)
+    if into_kv is None:
+        return dk_t, dv_t
+    for acc, got in zip(dkv_acc, (dk_t, dv_t)):
+        seed_later_(rows(acc, b), got, later_kv)
+    return None
+
+
 def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
     """acc_rows[rows] += grad along dim 0 (rows: `where`; gathered ranges may repeat: each range's
     share is added, in order)."""

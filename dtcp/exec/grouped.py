@@ -35,8 +35,8 @@ from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
 from ..plan.group import group_launches, share_writes, step_chunks
 from .allgather import bounded_put
-from .fused import (_indexed, add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, fuses,
-                    gradient_results, launch_backward, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
+from .fused import (_indexed, add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_results,
+                    fused_steps, fuses, gradient_results, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
@@ -226,25 +226,15 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
         step = plan.steps[t]
         if fused is not None:
             for b in range(batch):
-                dout_b, q_b, out_b, dq_b = fixed[b]
                 k_b, v_b = rows(block[0], b), rows(block[1], b)
                 for i, li in enumerate(fused[t]):
                     first = t == 0 and i == 0
-                    into = dict(dq=rows(dq_out, b) if first and fill_q else None,
-                                dk=rows(dk_out, b) if first and fill_kv else None,
-                                dv=rows(dv_out, b) if first and fill_kv else None)
-                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale,
-                                                       softcap, **into)
-                    if into["dq"] is None:
-                        add_rows_(dq_b, li.q, dq_t)
-                    else:
-                        seed_later_(dq_b, dq_t, later_q)
-                    if into["dk"] is None:
-                        add_rows_(rows(dkv[0], b), li.k, dk_t)
-                        add_rows_(rows(dkv[1], b), li.k, dv_t)
-                    else:
-                        seed_later_(rows(dkv[0], b), dk_t, later_kv)
-                        seed_later_(rows(dkv[1], b), dv_t, later_kv)
+                    grads = backward_launch_(kernel, fixed[b], k_b, v_b, lse[b], li, scale, softcap, b,
+                                             into_q=dq_out if first and fill_q else None,
+                                             into_kv=(dk_out, dv_out) if first and fill_kv else None,
+                                             later_q=later_q, dkv_acc=dkv, later_kv=later_kv)
+                    for acc, got in zip(dkv, grads or ()):
+                        add_rows_(rows(acc, b), li.k, got)
             return
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -295,12 +285,10 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             # each key's first share is copied in, later ones added, keys no piece holds zeroed
             writes = share_writes(group, tuple(plan.steps[t].span_len for t in chunk)) if li is not None else ()
             for b in range(batch) if li is not None else ():
-                dout_b, q_b, out_b, dq_b = fixed[b]
-                dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, _packed(held, group.pieces, 0, b),
-                                                   _packed(held, group.pieces, 1, b), out_b, lse[b], li, scale, softcap)
-                add_rows_(dq_b, li.q, dq_t)
+                grads = backward_launch_(kernel, fixed[b], _packed(held, group.pieces, 0, b),
+                                         _packed(held, group.pieces, 1, b), lse[b], li, scale, softcap, b)
                 for share, (step_writes, zeros) in zip(shares, writes):
-                    for mine, got in zip(share, (dk_t, dv_t)):
+                    for mine, got in zip(share, grads):
                         mine_b = rows(mine, b)
                         for first, a, e, off in step_writes:
                             if first:

@@ -33,8 +33,8 @@ from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
-from .fused import (add_rows_, direct_results, fills_keys, fills_rows, finish_results, fused_steps, gradient_results,
-                    launch_backward, launch_forward, launches_of, merge_launch_, rows, seed_later_)
+from .fused import (add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_results, fused_steps,
+                    gradient_results, launch_forward, launches_of, merge_launch_, rows, seed_later_)
 from .merge import apply_sink_, merge_into_
 
 
@@ -273,25 +273,16 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             if fixed_rows is None:  # rows-form views of what stays put, once per call (host time)
                 fixed_rows = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(q.shape[0])]
             for b in range(q.shape[0]):
-                dout_b, q_b, out_b, dq_b = fixed_rows[b]
                 k_b, v_b = rows(cur[0], b), rows(cur[1], b)
                 for i, li in enumerate(fused[t]):
                     first = t == 0 and i == 0
-                    into = dict(dq=rows(dq_out, b) if first and fill_q else None,
-                                dk=rows(dk_out, b) if first and fill_kv else None,
-                                dv=rows(dv_out, b) if first and fill_kv else None)
-                    dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_b, v_b, out_b, lse[b], li, scale,
-                                                       softcap, **into)
-                    if into["dq"] is None:
-                        add_rows_(dq_b, li.q, dq_t)
-                    else:  # the rows later launches add to, in float32
-                        seed_later_(dq_b, dq_t, later_q)
-                    if into["dk"] is None:
-                        block_grads.append((b, li.k, dk_t, dv_t))
-                    else:
-                        seed_later_(rows(dk_acc, b), dk_t, later_kv)
-                        seed_later_(rows(dv_acc, b), dv_t, later_kv)
-                    del dq_t, dk_t, dv_t
+                    grads = backward_launch_(kernel, fixed_rows[b], k_b, v_b, lse[b], li, scale, softcap, b,
+                                             into_q=dq_out if first and fill_q else None,
+                                             into_kv=(dk_out, dv_out) if first and fill_kv else None,
+                                             later_q=later_q, dkv_acc=(dk_acc, dv_acc), later_kv=later_kv)
+                    if grads is not None:
+                        block_grads.append((b, li.k) + grads)
+                    del grads
         for task in step.tasks if fused is None else ():
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
             dq_t, dk_t, dv_t = kernel.backward(
