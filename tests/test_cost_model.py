@@ -317,6 +317,15 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     # log-normal s0/s1 (zigzag and Balanced; ring, all-gather, Ulysses)
     ("split_h100_2026-11-27_direct_a.json.gz", 20, 0, 15, 20),
     ("split_h100_2026-11-27_direct_b.json.gz", 16, 0, 12, 14),
+    # the same two grids on this code (the grouped ring's helpers shared with the ring's steps),
+    # 2026-11-27 (eighth session): the same device times; auto's misses are the ring taken over a
+    # Ulysses whose compute is faster at N = 2 and 4, where on 4x H100 with the real all-to-alls
+    # the ring was the faster (benchmarks/results/strategies_4xh100_2026-11-27_direct.json)
+    ("split_h100_2026-11-27_final_a.json.gz", 20, 0, 13, 20),
+    ("split_h100_2026-11-27_final_b.json.gz", 16, 0, 12, 14),
+    # the same grids again on a second H100 machine (the run-to-run spread)
+    ("split_h100_2026-11-27_final2_a.json.gz", 20, 0, 15, 20),
+    ("split_h100_2026-11-27_final2_b.json.gz", 16, 0, 12, 15),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-
