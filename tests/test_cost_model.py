@@ -272,6 +272,10 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     ("strategies_2xh100_2026-11-26.json", ("causal",), 2, 2),
     ("strategies_2xh100_2026-11-26c.json", None, 9, 7),
     ("strategies_2xh100_2026-11-26d.json", None, 9, 6),
+    # 4x H100 with the real transfers, the tip of 2026-11-27 (eighth session): Pareto s0, log-normal
+    # s0 and long-tailed documents at 128K on Balanced; the ring within 1.8% of Ulysses on Pareto,
+    # the fastest on the other two (Ulysses 1.6x and 1.3x slower with its all-to-alls)
+    ("strategies_4xh100_2026-11-27c.json", None, 3, 3),
 ])
 def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
