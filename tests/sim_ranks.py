@@ -1,8 +1,11 @@
-"""N ranks of the ring in one process (dtcp.comm.simulated): each rank's real plan, kernel calls
-and received blocks, on one device. Shared by the CPU check of the harness and the one-GPU
-exactness test (tests/gpu/test_one_gpu_ranks.py)."""
+"""N ranks in one process (dtcp.comm.simulated): each rank's real plan, kernel calls and received
+data, on one device, for the ring, the all-gather and Ulysses. Shared by the CPU check of the
+harness (tests/test_simulated_ring.py) and the one-GPU exactness test
+(tests/gpu/test_one_gpu_ranks.py)."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -89,6 +92,85 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
     for r, res in enumerate(results):
         mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, L, Hkv, D) float32
         res += [mine[0].transpose(1, 2).to(k.dtype), mine[1].transpose(1, 2).to(v.dtype)]
+    return in_token_order(results, layout, n)
+
+
+class _AllToAll:
+    """The all-to-all of `n` simulated ranks (dtcp/comm/collectives.py all_to_all_bytes' contract:
+    (U, row) uint8 -> (U, row), row j of the result is rank j's row for this rank), the rank passed
+    where the process group goes. Each call waits for every rank's send; a failing rank breaks the
+    barrier (`abort`), so the others raise instead of waiting."""
+
+    def __init__(self, n: int, timeout_s: float = 300.0):
+        self.n, self.sends = n, [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def __call__(self, send, rank, world_size):
+        assert world_size == self.n
+        self.sends[rank] = send.clone()
+        try:
+            self.barrier.wait()
+            recv = torch.stack([self.sends[j][rank] for j in range(self.n)])
+            self.barrier.wait()  # every rank has read before the next call overwrites a send
+        except threading.BrokenBarrierError as e:  # (SimulatedRing.run then raises the failing rank's error)
+            raise RuntimeError("simulated all-to-all: another rank failed") from e
+        return recv
+
+
+def simulated_ulysses(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None,
+                      keep=False):
+    """As simulated_ring, for strategy="ulysses": each rank's route as dtcp builds it (dtcp/exec/
+    route.py `_heads_route`: the head exchange and, for the rank's heads, the whole sequence as
+    one local call on `kernel`), run by the route's own forward and backward (`_heads_forward`,
+    `_heads_backward`), one thread per rank; the all-to-alls deliver every rank's real bytes.
+    keep=False is the custom op's backward (the forward's tensors exchanged again, with dout),
+    keep=True the eager path's (the exchanged tensors kept). NotImplementedError where the route
+    would not take `kernel` for these shapes."""
+    from types import SimpleNamespace
+
+    import dtcp
+    from dtcp.exec import route as R
+    from dtcp.exec import ulysses as ul
+
+    s = q.shape[2]
+    local_len = s // n
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    cu = None if docs is None else tuple([0] + [sum(docs[:i + 1]) for i in range(len(docs))])
+    if isinstance(layout, dtcp.Balanced):  # (as dtcp.explain derives the op's arguments)
+        spec = layout.op_spec()
+    elif isinstance(layout, dtcp.DocZigzag):
+        spec, cu = layout.name, tuple(layout.cu_seqlens.tolist())
+    else:
+        spec = layout.spec()
+    args = R.CallArgs("", spec, is_causal, scale, kernel.name, window[0], window[1], "ulysses")
+    shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
+    shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
+    routes = []
+    for r, (qr, kr, vr, _) in enumerate(shards):
+        problem = R._problem(qr, args, cu, SimpleNamespace(size=n, rank=r), None)
+        try:
+            _, heads, plan, kern = R._heads_route("ulysses", qr, kr, vr, args, problem, sinks=False)
+        except ValueError as e:
+            raise NotImplementedError(f"strategy='ulysses' with {kernel.name}: {e}") from e
+        routes.append(SimpleNamespace(heads=heads, plan=plan, kernel=locked(kern), softcap=None, steps_per_launch=1,
+                                      seq_state=None, comm_group=lambda: None, head_comm_group=lambda r=r: r))
+    all_to_all = _AllToAll(n)
+
+    def rank_fn(r, _comm):
+        route, (qr, kr, vr, dr) = routes[r], shards[r]
+        try:
+            out, lse, kept = R._heads_forward(route, qr, kr, vr, scale, keep, None)
+            dq, dk, dv, _ = R._heads_backward(route, dr, qr, kr, vr, out, lse, scale, kept, None)
+        except BaseException:
+            all_to_all.barrier.abort()
+            raise
+        return out, lse, dq, dk, dv
+
+    saved, ul.all_to_all_bytes = ul.all_to_all_bytes, all_to_all
+    try:
+        results = SimulatedRing(n).run(rank_fn)
+    finally:
+        ul.all_to_all_bytes = saved
     return in_token_order(results, layout, n)
 
 

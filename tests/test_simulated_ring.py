@@ -10,7 +10,7 @@ import torch
 import dtcp
 from dtcp.kernels import KERNELS
 from reference import exact_err, reference_attention, window_doc_mask
-from sim_ranks import simulated_allgather, simulated_ring
+from sim_ranks import simulated_allgather, simulated_ring, simulated_ulysses
 
 CASES = [  # (world size, layout, documents, window)
     (2, dtcp.Zigzag(), None, (-1, -1)),
@@ -61,6 +61,40 @@ def test_simulated_allgather_is_exact(n, layout, docs, window):
     """The one-process all-gather (one varlen call per rank, real gathered K/V, dK/dV summed over
     the ranks' shares) equals single-process attention: the one-GPU test measures kernels only."""
     assert_simulation_exact(simulated_allgather, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
+
+
+@pytest.mark.parametrize("n,layout,docs,window", CASES + [(4, dtcp.Zigzag(), (5, 9, 2, 16), (-1, -1)),
+                                                      (2, dtcp.DocZigzag((4, 12, 8)), (4, 12, 8), (-1, -1))], ids=str)
+@pytest.mark.parametrize("keep", [False, True], ids=["op", "eager"])
+def test_simulated_ulysses_is_exact(n, layout, docs, window, keep):
+    """The one-process Ulysses (each rank's route as dtcp builds it, run by its own head-exchange
+    forward and backward; the all-to-alls carry every rank's real bytes) equals single-process
+    attention, with the op's backward (exchanging again) and the eager one (keeping the exchanged
+    tensors). K/V heads fewer than the ranks at N = 4 and 8 (replicated, their gradients summed)."""
+    heads = (2 * n, 2, 2, 2 * n) if n % 2 == 0 else (2 * n, n, n, 2 * n)
+    assert_simulation_exact(lambda *a, **kw: simulated_ulysses(*a, keep=keep, **kw), n, layout, docs, window,
+                            heads=heads, seed=7)
+
+
+def test_simulated_ulysses_raises_when_a_rank_fails(monkeypatch):
+    """A rank that fails inside the head exchange breaks the others' wait: the error comes back
+    at once, not after the barrier's timeout."""
+    import time
+
+    from dtcp.exec import ulysses as ul
+    real = ul.to_sequence
+
+    def fails_on_rank_1(tensors, plan, pg, *a, **kw):
+        if pg == 1:
+            raise RuntimeError("rank 1 failed")
+        return real(tensors, plan, pg, *a, **kw)
+
+    monkeypatch.setattr(ul, "to_sequence", fails_on_rank_1)
+    monkeypatch.setattr("dtcp.exec.route.to_sequence", fails_on_rank_1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        assert_simulation_exact(simulated_ulysses, 2, dtcp.Zigzag(), None, (-1, -1), heads=(4, 2, 2, 4), seed=7)
+    assert time.monotonic() - start < 30
 
 
 def test_fused_accumulators_start_as_the_local_launch(monkeypatch):

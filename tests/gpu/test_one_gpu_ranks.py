@@ -4,7 +4,8 @@ blocks it really receives, against float64. For every rank and every quantity (o
 on the rank's own keys, dk, dv) the ring's error stays within 1.5x the same kernel's own error
 over the whole sequence in one call, measured on the same rows. The all-gather schedule as one
 varlen call per rank (tests/sim_ranks.py simulated_allgather: the real gathered K/V, dK/dV summed
-over the ranks' shares) is held to the same bound on the document cases.
+over the ranks' shares) is held to the same bound on the document cases, and Ulysses
+(simulated_ulysses: each rank's route, its all-to-alls carrying the real bytes) on every case.
 
     python -m pytest -q -s tests/gpu/test_one_gpu_ranks.py
 """
@@ -19,7 +20,7 @@ import torch
 import dtcp
 from dtcp.kernels import KERNELS, VarlenSeqs
 from reference import reference_attention, window_doc_mask
-from sim_ranks import simulated_allgather, simulated_ring
+from sim_ranks import simulated_allgather, simulated_ring, simulated_ulysses
 
 pytestmark = pytest.mark.one_gpu
 
@@ -102,22 +103,38 @@ def test_allgather_bf16_within_the_kernels_own_error(backend, n, name, make_layo
     within_the_kernels_own_error(simulated_allgather, backend, n, name, make_layout, docs, window)
 
 
-def within_the_kernels_own_error(schedule, backend, n, name, make_layout, docs, window):
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name,make_layout,docs,window", CASES, ids=[c[0] for c in CASES])
+def test_ulysses_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window):
+    """Ulysses: each rank's head exchange (the all-to-alls carrying every rank's bytes), its heads
+    over the whole sequence in one call, and the exchange back; the op's backward (exchanging the
+    forward's tensors again). 8 query heads, 2 K/V heads: at N = 4 and 8 the K/V heads are
+    replicated and their gradients summed in float32."""
+    within_the_kernels_own_error(simulated_ulysses, backend, n, name, make_layout, docs, window, heads=(8, 2),
+                                 ring_schedule=False)
+
+
+def within_the_kernels_own_error(schedule, backend, n, name, make_layout, docs, window, heads=(HQ, HKV),
+                                 ring_schedule=True):
     kernel = KERNELS[backend]
     g = torch.Generator(device="cuda").manual_seed(0)
-    full = [torch.randn(1, h, S, D, device="cuda", generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ)]
+    hq, hkv = heads
+    full = [torch.randn(1, h, S, D, device="cuda", generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
     q, k, v, dout = (x.to(torch.bfloat16) for x in full)
     why = kernel.feature_reason(q, v, None, False) or kernel.reject_reason(q, k, [])
     if why is not None:
         pytest.skip(f"{backend}: {why}")
     scale = D ** -0.5
     layout = make_layout(n, docs)
-    from dtcp.plan import AttnMask, ring_plans
-    from sim_ranks import segments_of
-    plans = ring_plans(layout, S // n, n, True, AttnMask.make(True, window, None if docs is None else segments_of(docs)))
-    why = kernel.reject_reason(q, k, [t for p in plans for t in p.tasks])
-    if why is not None:  # a route would not pick this kernel here (auto takes another; backend= raises)
-        pytest.skip(f"{backend} refuses this schedule: {why}")
+    if ring_schedule:  # (Ulysses' route checks its own local call: the schedule raises NotImplementedError)
+        from dtcp.plan import AttnMask, ring_plans
+        from sim_ranks import segments_of
+        plans = ring_plans(layout, S // n, n, True,
+                           AttnMask.make(True, window, None if docs is None else segments_of(docs)))
+        why = kernel.reject_reason(q, k, [t for p in plans for t in p.tasks])
+        if why is not None:  # a route would not pick this kernel here (auto takes another; backend= raises)
+            pytest.skip(f"{backend} refuses this schedule: {why}")
     mask = window_doc_mask(S, is_causal=True, window=window, cu_seqlens=_cu(docs) if docs else None).cuda()
     ref = [x.double().clone().requires_grad_() for x in (q, k, v)]
     out_ref, lse_ref = reference_attention(*ref, mask=mask, scale=scale)
