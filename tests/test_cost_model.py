@@ -323,8 +323,8 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     ("split_h100_2026-11-27_direct_b.json.gz", 16, 0, 12, 14),
     # the same two grids on this code (the grouped ring's helpers shared with the ring's steps),
     # 2026-11-27 (eighth session): the same device times; auto's misses are the ring taken over a
-    # Ulysses whose compute is faster at N = 2 and 4, where on 4x H100 with the real all-to-alls
-    # the ring was the faster (benchmarks/results/strategies_4xh100_2026-11-27_direct.json)
+    # Ulysses whose compute is faster at N = 2-8; at N = 4 on 4x H100 with the real all-to-alls
+    # the ring was the faster (benchmarks/results/strategies_4xh100_2026-11-27_direct.json, _27c)
     ("split_h100_2026-11-27_final_a.json.gz", 20, 0, 13, 20),
     ("split_h100_2026-11-27_final_b.json.gz", 16, 0, 12, 14),
     # the same grids again on a second H100 machine (the run-to-run spread)
