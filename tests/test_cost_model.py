@@ -330,6 +330,10 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     # the same grids again on a second H100 machine (the run-to-run spread)
     ("split_h100_2026-11-27_final2_a.json.gz", 20, 0, 15, 20),
     ("split_h100_2026-11-27_final2_b.json.gz", 16, 0, 12, 15),
+    # and the rest of the issue's cases on the same code: causal 128K, window (4096, 0), 16 x 8K
+    # documents (zigzag and Balanced); misses: the ring over Ulysses at N = 8-16, and at N = 4-16
+    # on the window
+    ("split_h100_2026-11-27_final_c.json.gz", 16, 0, 11, 15),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-
