@@ -186,6 +186,14 @@ def finish_results(result: torch.Tensor, summed: torch.Tensor, later: tuple[int,
     return result
 
 
+def finish_gradients(grads) -> tuple[torch.Tensor, ...]:
+    """The backward's dq, dk, dv from (result or None, accumulator, later, like) each, as
+    gradient_results made them: the result with its rows `later` copied back (finish_results),
+    or, without one, the accumulator cast to like's dtype."""
+    return tuple(summed.to(like.dtype) if result is None else finish_results(result, summed, later)
+                 for result, summed, later, like in grads)
+
+
 def rows(x: torch.Tensor, b: int) -> torch.Tensor:
     """Batch row b of a (B, H, L, D) tensor as (L, H, D), a view: x[b].transpose(0, 1) in one
     tensor op instead of two (called per step and tensor: host time on a host-bound ring)."""

@@ -35,8 +35,9 @@ from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
 from ..plan.group import group_launches, share_writes, step_chunks
 from .allgather import bounded_put
-from .fused import (_indexed, add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_results,
-                    fused_steps, fuses, gradient_results, launch_forward, merge_launch_, rows, seed_later_, takes_gaps)
+from .fused import (_indexed, add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_gradients,
+                    finish_results, fused_steps, fuses, gradient_results, launch_forward, merge_launch_, rows,
+                    seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
@@ -303,6 +304,5 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
     if in_flight is not None:
         land(in_flight)
     comm.finish()
-    return tuple(summed.to(like.dtype) if result is None else finish_results(result, summed, later)
-                 for result, summed, later, like in ((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
-                                                     (dv_out, dv_acc, later_kv, v)))
+    return finish_gradients(((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
+                             (dv_out, dv_acc, later_kv, v)))

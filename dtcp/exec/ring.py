@@ -33,8 +33,9 @@ from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys, later_rows
-from .fused import (add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_results, fused_steps,
-                    gradient_results, launch_forward, launches_of, merge_launch_, rows, seed_later_)
+from .fused import (add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_gradients,
+                    finish_results, fused_steps, gradient_results, launch_forward, launches_of, merge_launch_, rows,
+                    seed_later_)
 from .merge import apply_sink_, merge_into_
 
 
@@ -180,12 +181,6 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     if out_acc is not None:
         _rows(out, *merged).copy_(out_acc)
     return out, lse_acc
-
-
-def _finish(result, summed, later, dtype) -> torch.Tensor:
-    """A gradient at the end of the backward: `result` (the first launch wrote it) with the rows
-    `later` of its float32 accumulator `summed` copied back; or, without one, `summed` cast."""
-    return summed.to(dtype) if result is None else finish_results(result, summed, later)
 
 
 def _fills_block(block_grads, span_len: int, batch: int) -> bool:
@@ -354,8 +349,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             cur = nxt
     comm.finish()
     if not keep_local:
-        return tuple(_finish(result, summed, later, like.dtype) for result, summed, later, like in (
-            (dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k), (dv_out, dv_acc, later_kv, v)))
+        return finish_gradients(((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
+                                 (dv_out, dv_acc, later_kv, v)))
     _rows(grads[0], *dq_rows).copy_(dq_acc)
     for g, summed in zip(grads[1:], own_dkv):
         _rows(g, *home_keys).copy_(summed)

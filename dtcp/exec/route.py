@@ -426,7 +426,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
     construction)."""
     n, local_len = problem.world_size, q.shape[2]
     target = predicted_target(q, machine_for(config.cost_machine))
-    kernels, launches, rows_per_launch = {}, {}, {}
+    kernels, launches = {}, {}
     ring_fields: dict = {}
     for strategy in ("ring", "allgather", "ulysses"):
         try:
@@ -444,13 +444,9 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
             continue
         kernels[strategy] = kernel.name
         if strategy == "ring":  # (its launches as the executors run them, at the size they take)
-            ring_fields = _ring_launch_fields(plans, kernel, ring_steps(plans, kernel, q, k, v, n), q, k, v)
+            ring_fields = _ring_choice(plans, kernel, q, k, v, n)[1]
             continue
-        work = [_launches(plan, kernel) for plan in plans]
-        pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
-        top = max(range(len(plans)), key=lambda rr: pairs[rr])
-        launches[strategy] = max(count for count, _ in work)
-        rows_per_launch[strategy] = work[top][1] / max(1, work[top][0])
+        launches[strategy] = max(_launches(plan, kernel)[0] for plan in plans)
     allowed = list(kernels)
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in dict.fromkeys(problem.row_segments)}
     rows = list(problem.row_segments)
@@ -578,14 +574,21 @@ def ring_steps(plans, kernel: Kernel, q, k, v, n: int) -> int:
     step by step by GROUP_GAIN, else 1. `plans`: every rank's (each a RingPlan, or one per batch row).
     Deterministic over the plans, which every rank builds alike: every rank gets the same size."""
     setting = config.ring_steps_per_launch
+    return setting if setting != "auto" else _ring_choice(plans, kernel, q, k, v, n)[0]
+
+
+def _ring_choice(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
+    """(ring_steps, its `_ring_launch_fields`): the fields the choice was predicted with, for the
+    cost model's CallShape."""
+    setting = config.ring_steps_per_launch
     if setting != "auto":
-        return setting
+        return setting, _ring_launch_fields(plans, kernel, setting, q, k, v)
     batch, local_len = q.shape[0], q.shape[2]
     per_rank = [_row_plans(p, batch) for p in plans]
     row_rounds = [plan.num_rounds for plan in per_rank[0]]  # (every rank's plan of a row has as many)
     rounds = max(row_rounds)
     if rounds < 2 or not fuses(kernel):
-        return 1
+        return 1, _ring_launch_fields(plans, kernel, 1, q, k, v)
     machine = machine_for(config.cost_machine)
     pairs = max(sum(plan_pairs(p.tasks) for p in rows) for rows in per_rank) / batch
     widths = [max(rows[b].steps[t].span_len for rows in per_rank) for b in range(batch)
@@ -594,17 +597,11 @@ def ring_steps(plans, kernel: Kernel, q, k, v, n: int) -> int:
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                      ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
                      kernels=(("ring", kernel.name),))
-
-    def predicted(size: int) -> float:
-        return predict("ring", replace(base, **_ring_launch_fields(plans, kernel, size, q, k, v)), machine).total_s
-
-    step_by_step = predicted(1)
-    best, best_s = 1, step_by_step
-    for size in sorted({min(4, rounds), rounds}):
-        t = predicted(size)
-        if t < best_s:
-            best, best_s = size, t
-    return best if best_s <= (1 - GROUP_GAIN) * step_by_step else 1
+    fields = {size: _ring_launch_fields(plans, kernel, size, q, k, v) for size in sorted({1, min(4, rounds), rounds})}
+    predicted = {size: predict("ring", replace(base, **f), machine).total_s for size, f in fields.items()}
+    best = min(sorted(predicted), key=lambda size: predicted[size])  # (ties: the smaller size)
+    size = best if predicted[best] <= (1 - GROUP_GAIN) * predicted[1] else 1
+    return size, fields[size]
 
 
 def _plan_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n: int, r: int, sinks: bool,
