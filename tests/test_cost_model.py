@@ -160,9 +160,11 @@ def test_auto_takes_ulysses_over_an_unbalanced_ring(docs, n):
     """A long-tailed batch on zigzag: the ring (and the all-gather) wait for the busiest rank,
     Ulysses is balanced by construction, so auto takes Ulysses and the ring is far behind. On
     Balanced the ring does 1/N of the work per rank: its predicted time drops by a quarter or more
-    (0.71x at N = 2 to 0.59x at N = 8 here). It is not predicted ahead of Ulysses at N = 8: its
-    fused steps' float32 accumulators cost memory traffic the kernels' flops do not show (measured
-    on one H100: Balanced's ring computes at 0.63 of one GPU on a Pareto mix at N = 8, Ulysses at 0.96)."""
+    (0.71x at N = 2 to 0.59x at N = 8 here). At N = 8 the two are a tie (within 1% here): Ulysses'
+    all-to-alls against the ring's float32 merges and adds, which its fused launches cut by landing
+    rows one later launch reaches straight in the results (exec/fused.py Landing; measured on one
+    H100, Pareto s1 at N = 8, the ring's device time fell 12.1 -> 11.6 ms; Ulysses' compute is 7.7 ms,
+    its transfers at N = 8 unmeasured: no 8-GPU machine)."""
     q, k, v, args, cu = meta_call(n, "zigzag", docs)
     choice, preds = route.explain(q, k, v, args, cu, n, 0)
     zigzag = {p.strategy: p.total_s for p in preds}
@@ -173,7 +175,7 @@ def test_auto_takes_ulysses_over_an_unbalanced_ring(docs, n):
     total = {p.strategy: p.total_s for p in preds}
     assert total["ring"] <= 0.75 * zigzag["ring"], (total, zigzag)
     if n == 8:
-        assert choice == "ulysses", total
+        assert abs(total["ring"] / total["ulysses"] - 1) < 0.02, total
 
 
 def test_auto_keeps_the_ring_where_it_is_balanced():
@@ -251,17 +253,24 @@ def test_fused_ring_pays_its_accumulators_memory_traffic(docs):
 
 
 def test_accumulator_traffic_counts_fill_merges_and_gathers():
-    """A step whose first launch covers every row writes the results itself: only the hull of
-    the rows other launches touch goes through float32 (6 bytes an element in, 6 back); each other
-    launch merges its rows (10), and 16 more where its rows are scattered. A pass of one launch
-    moves nothing."""
+    """A step whose first launch covers every row writes the results itself. Later launches whose
+    rows are in place land run by run (plan/fuse.py row_runs): 6 bytes an element where one launch
+    reaches a row, 12 / 10 / 8 for the first / one between / the last of several. Where a launch's
+    rows are scattered (gathered, no varlen gaps), the hull of the later rows goes through float32
+    (6 bytes an element in, 6 back), each later launch merges its rows (10), 16 more where they are
+    scattered. A pass of one launch moves nothing."""
     from dtcp.plan.fuse import Launch, accumulator_traffic
     local = Launch((-1, 0), ((0, 10),), ((0, 10),))
     tiled = Launch((-1, -1), ((2, 6),), ((0, 3),))
     scattered = Launch((-1, -1), ((0, 2), (7, 8)), ((0, 3), (5, 6)))
-    # hull of the later rows: [0, 8)
+    # gathered rows: hull of the later rows [0, 8)
     assert accumulator_traffic(((local,), (tiled,), (scattered,)), 10) == 12 * 8 + 10 * 4 + 26 * 3
-    assert accumulator_traffic(((local,), (tiled,)), 10) == 12 * 4 + 10 * 4
+    # with gaps the scattered launch is in place: rows 0-1 and 7 once (6), 2-5 once (6)
+    assert accumulator_traffic(((local,), (tiled,), (scattered,)), 10, gaps=True) == 6 * 3 + 6 * 4
+    assert accumulator_traffic(((local,), (tiled,)), 10) == 6 * 4
+    # rows 3-5 reached by both later launches: first 12, last 8; 2 and 6-7 once each
+    other = Launch((-1, -1), ((3, 8),), ((0, 3),))
+    assert accumulator_traffic(((local,), (tiled,), (other,)), 10) == 6 * 1 + 12 * 3 + 8 * 3 + 6 * 2
     assert accumulator_traffic(((local,), ()), 10) == 0
     # a first launch that leaves rows out: zeros (4) and a merge of its rows too
     partial = Launch((-1, 0), ((0, 8),), ((0, 8),))

@@ -296,11 +296,12 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
     (the hulls forced to all). Returns whether the results are bitwise equal, their dtypes, whether
     the direct writes ran and the ring ran in groups; step by step also the hulls' share of the
     rank's rows and keys."""
+    import dtcp.exec.fused as fused_mod
     import dtcp.exec.grouped as grouped_mod
     import dtcp.exec.ring as ring_mod
     from dtcp.kernels.math import MathKernel
-    from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, launches_of
-    from dtcp.plan.fuse import later_keys, later_rows
+    from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, landing, launches_of, takes_gaps
+    from dtcp.plan.fuse import later_keys
     executor = grouped_mod if size > 1 else ring_mod  # (whose hulls are forced)
     dtcp.exec.route.clear_routes()
     MathKernel.varlen_one_launch = True
@@ -316,8 +317,8 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
         results = []
         with dtcp.config.override(ring_steps_per_launch=size):
             for hulls in ("own", "all"):
-                if hulls == "all":
-                    executor.later_rows = lambda launches: (0, s)
+                if hulls == "all":  # every later launch on the float32 accumulator, over every row
+                    executor.landing = lambda passes, gaps: fused_mod.Landing((0, s), None, (0, s))
                     executor.later_keys = lambda launches, returned: (0, s)
                 local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
                 out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window,
@@ -336,14 +337,15 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
                "dtypes": [str(x.dtype) for x in results[0]]}
         if size == 1:
             launches = launches_of(fused)
-            rows_hull = later_rows(launches) if fills_rows(fused[0], local_len) else (0, local_len)
+            rows_hull = landing(fused, takes_gaps(route.kernel)).acc if fills_rows(fused[0], local_len) \
+                else (0, local_len)
             keys_hull = later_keys(launches, route.plan.returned_keys) if fills_keys(fused[0], local_len) \
                 else (0, local_len)
             got.update(rows_in_float32=max(0, rows_hull[1] - rows_hull[0]) / local_len,
                        keys_in_float32=max(0, keys_hull[1] - keys_hull[0]) / local_len)
         return got
     finally:
-        executor.later_rows, executor.later_keys = later_rows, later_keys
+        executor.landing, executor.later_keys = landing, later_keys
         MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
 
@@ -442,3 +444,89 @@ def test_direct_first_launch_compiled_with_new_documents_every_step():
         assert r["into_forward"] >= 2 * len(BALANCED_STEPS) and r["into_backward"] >= 2 * len(BALANCED_STEPS), r
         assert r["frames"][:first_new_length] == [1] * first_new_length, r
         assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r
+
+
+def test_row_runs_route_each_row_once_through_its_launches():
+    """plan/fuse.py row_runs: each later launch's rows as runs (start, end, role), in order,
+    covering exactly its rows; a row one later launch reaches is ONLY there, a row several reach
+    is FIRST in the first, MID between, LAST in the last (so the result is read once and written
+    once, and float32 holds it only between). A hand case, then random passes checked row by row;
+    gathered rows (no varlen gaps) and passes of more than MAX_RUNS runs a launch keep the hull."""
+    from dtcp.plan.fuse import FIRST, LAST, MAX_RUNS, MID, ONLY, Launch, row_runs
+
+    first = Launch((-1, 0), ((0, 10),), ((0, 10),))
+    a = Launch((-1, -1), ((2, 6),), ((0, 4),))
+    b = Launch((-1, -1), ((4, 8),), ((0, 4),))
+    c = Launch((-1, -1), ((5, 6),), ((0, 4),))
+    assert row_runs((first, a, b, c), False) == (
+        ((2, 4, ONLY), (4, 6, FIRST)),
+        ((4, 5, LAST), (5, 6, MID), (6, 8, ONLY)),
+        ((5, 6, LAST),),
+    )
+    assert row_runs((first,), False) == ()
+    apart = Launch((-1, -1), ((0, 2), (7, 8)), ((0, 3), (5, 6)))  # rows lying apart, in order
+    assert row_runs((first, apart), False) is None  # gathered: the hull
+    assert row_runs((first, apart), True) == (((0, 2, ONLY), (7, 8, ONLY)),)
+    many = Launch((-1, -1), tuple((2 * i, 2 * i + 1) for i in range(MAX_RUNS + 1)), ((0, 1),) * (MAX_RUNS + 1))
+    assert row_runs((Launch((-1, 0), ((0, 40),), ((0, 40),)), many), True) is None
+
+    rng = random.Random(7)
+    for _ in range(300):
+        length = rng.randint(4, 40)
+        later = []
+        for _ in range(rng.randint(1, 6)):
+            cuts = sorted(rng.sample(range(length + 1), 2 * rng.randint(1, min(3, (length + 1) // 2))))
+            ranges = tuple((x, y) for x, y in zip(cuts[::2], cuts[1::2]) if y > x)
+            if ranges:
+                later.append(Launch((-1, -1), ranges, ((0, 1),) * len(ranges)))
+        runs = row_runs((Launch((-1, 0), ((0, length),), ((0, length),)),) + tuple(later), True)
+        if runs is None:
+            assert any(len(launch.q_ranges) > 1 for launch in later)  # (only MAX_RUNS can refuse here)
+            continue
+        seen = [[] for _ in range(length)]
+        for launch, mine in zip(later, runs):
+            rows = sorted(r for x, y in launch.q_ranges for r in range(x, y))
+            assert sorted(r for x, y, _ in mine for r in range(x, y)) == rows
+            assert all(p[1] <= q[0] for p, q in zip(mine, mine[1:]))  # in order, disjoint
+            for x, y, role in mine:
+                for r in range(x, y):
+                    seen[r].append(role)
+        for roles in seen:
+            assert roles in ([], [ONLY]) or (roles[0] == FIRST and roles[-1] == LAST and len(roles) >= 2
+                                             and all(m == MID for m in roles[1:-1])), roles
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("role", ["only", "first", "last"])
+def test_torch_merge_between_the_result_and_the_accumulator(role, masked):
+    """The merge that routed rows run (exec/merge.py, torch on CPU; the Triton twin is
+    tests/gpu/test_one_gpu_ranks.py's): from the bf16 result into itself, from it into the float32
+    accumulator, from the accumulator into it: the bits of the float32 path (the result copied into
+    float32, merged in place, cast back); rows a row mask leaves out are not written."""
+    from dtcp.exec import merge as M
+    g = torch.Generator().manual_seed(5)
+    h, length, d = 3, 200, 16
+    result = torch.randn(1, h, length, d, generator=g).to(torch.bfloat16)
+    acc = torch.randn(1, h, length, d, generator=g)
+    lse = torch.randn(1, h, length, generator=g)
+    lse[:, :, :10] = float("-inf")  # rows that have seen no key yet
+    blk = torch.randn(1, h, length, d, generator=g).to(torch.bfloat16)
+    blk_lse = torch.randn(1, h, length, generator=g)
+    used = (torch.rand(length, generator=g) < 0.6) if masked else None
+    keep = torch.ones(length, dtype=torch.bool) if used is None else used
+    src32 = acc.clone() if role == "last" else result.float()
+    want_lse = lse.clone()
+    M.merge_into_(src32, want_lse, blk, blk_lse, rows_used=used)
+    got_lse, got_result, got_acc = lse.clone(), result.clone(), acc.clone()
+    if role == "only":
+        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used)
+        written, before, want = got_result, result, src32.to(torch.bfloat16)
+    elif role == "first":
+        M.merge_into_(got_acc, got_lse, blk, blk_lse, rows_used=used, out_src=got_result)
+        written, before, want = got_acc, acc, src32
+    else:
+        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used, out_src=got_acc)
+        written, before, want = got_result, result, src32.to(torch.bfloat16)
+    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(got_lse, want_lse)
+    assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
+    assert (~keep).any() if masked else keep.all()

@@ -28,7 +28,7 @@ import torch
 from ..config import config
 from ..kernels import Kernel, VarlenSeqs
 from ..plan import RingPlan
-from ..plan.fuse import Launch, fused_launches
+from ..plan.fuse import FIRST, LAST, MID, ONLY, Launch, accumulator_hull, fused_launches, later_rows, row_runs
 from .allgather import bounded_put
 from .merge import merge_into_
 
@@ -154,6 +154,51 @@ def fills_keys(launches, kv_len: int) -> bool:
     return bool(launches) and launches[0].launch.k_span == (0, kv_len)
 
 
+@dataclass(frozen=True)
+class Landing:
+    """Where a pass's launches after its first land on the query rows, forward (merges of out and
+    lse) and backward (adds of dQ), where the first launch writes the results itself:
+
+      seed   the hull that goes through float32 as a whole: copied in after the first launch
+             (seed_later_), back at the end (finish_results); (0, 0) where the runs route
+      runs   {id(LaunchIndex): its rows' runs (start, end, role)} (plan/fuse.py row_runs), or None
+             (every later launch lands on the accumulator, over the hull `seed`)
+      acc    the rows the float32 accumulator serves (its size: direct_results)"""
+
+    seed: tuple[int, int]
+    runs: Optional[dict]
+    acc: tuple[int, int]
+    first: int = 0  # id of the pass's first launch (which has no runs: it writes the results)
+
+    def of(self, li: "LaunchIndex"):
+        """The runs of a later launch (None: onto the accumulator; the first launch: None)."""
+        if self.runs is None or id(li) == self.first:
+            return None
+        return self.runs[id(li)]  # (a launch of another pass: KeyError, never a silent hull)
+
+
+_LANDINGS: dict = {}
+
+
+def landing(passes: tuple, gaps: bool) -> Landing:
+    """The Landing of a pass whose launches run in the order of `passes` (a tuple of launch sites,
+    each a tuple of LaunchIndex; its first launch writes the results). Cached with the launches
+    (held by the plan's cached fused steps), so a pass computes it once per plan, not per call."""
+    key = tuple(map(id, passes))
+    hit = _LANDINGS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], passes)):
+        return hit[1]
+    order = [li for site in passes for li in site]
+    runs = row_runs(tuple(li.launch for li in order), gaps)
+    if runs is None or any(li.q.span is None for li in order[1:]):
+        later = later_rows(tuple(tuple(li.launch for li in site) for site in passes))
+        got = Landing(later, None, later)
+    else:
+        got = Landing((0, 0), {id(li): r for li, r in zip(order[1:], runs)}, accumulator_hull(runs), id(order[0]))
+    bounded_put(_LANDINGS, key, (passes, got))
+    return got
+
+
 def direct_results(shape, dtype, acc, device, later: tuple[int, int]):
     """(result, accumulator) of a pass whose first launch writes `result` (B, H, L, D) itself:
     the accumulator (float32; float64 for float64) serves only the rows (keys) `later`, a hull,
@@ -265,11 +310,16 @@ def _landed(got, into):
     return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
 
 
-def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse) -> None:
+def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse,
+                  result_rows: Optional[torch.Tensor] = None, runs=None) -> None:
     """Fold a launch's (out (T, H, Dv), lse (H, T)) into one batch row's accumulators:
-    out_acc_rows (L, H, Dv), lse_acc (H, L)."""
+    out_acc_rows (L, H, Dv), lse_acc (H, L). `runs` (Landing.of): its rows run by run, each
+    read from and written to the result (`result_rows`, (L, H, Dv)) or the accumulator by role."""
     where = li.q
     blk_out, blk_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # (1, H, T, Dv), (1, H, T)
+    if runs is not None:
+        _merge_runs_(out_acc_rows, lse_acc, where, blk_out, blk_lse, result_rows, runs)
+        return
     if where.one_slice:  # (with a row mask: the rows between hold nothing of this launch)
         a, b = where.span
         merge_into_(out_acc_rows[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out, blk_lse,
@@ -288,6 +338,34 @@ def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchI
     _put(lse_acc, ranges, where.index, acc_lse[0], dim=1)
 
 
+def _coalesced(runs, masked: bool):
+    """A launch's runs, merged where neighbours share a role when the launch has a row mask
+    (the rows between, masked, are neither read nor written): fewer merges for gapped launches."""
+    if not masked:
+        return runs
+    out = []
+    for a, b, role in runs:
+        if out and out[-1][2] == role:
+            out[-1] = (out[-1][0], b, role)
+        else:
+            out.append((a, b, role))
+    return out
+
+
+def _merge_runs_(acc_rows, lse_acc, where: Where, blk_out, blk_lse, result_rows, runs) -> None:
+    """merge_launch_ run by run (plan/fuse.py row_runs): ONLY merges the result in place, FIRST
+    from the result into the accumulator, MID in the accumulator, LAST from it into the result.
+    Rows are in place (a slice, or a window at its offsets: where.span)."""
+    w0 = where.span[0]
+    for a, b, role in _coalesced(runs, where.used is not None):
+        src = result_rows if role in (ONLY, FIRST) else acc_rows
+        dst = result_rows if role in (ONLY, LAST) else acc_rows
+        c, d = a - w0, b - w0
+        merge_into_(dst[a:b].transpose(0, 1).unsqueeze(0), lse_acc[:, a:b].unsqueeze(0), blk_out[:, :, c:d],
+                    blk_lse[:, :, c:d], rows_used=None if where.used is None else where.used[c:d],
+                    out_src=src[a:b].transpose(0, 1).unsqueeze(0))
+
+
 def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows, lse_b, li: LaunchIndex,
                     scale, softcap, dq=None, dk=None, dv=None):
     """One launch's (dq (T, H, D), dk, dv (T_k, Hkv, D/Dv)) on one batch row; lse_b: (H, L).
@@ -303,18 +381,23 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
 
 
 def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,
-                     into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0)):
+                     into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0), dq_result=None,
+                     q_runs=None):
     """One launch's backward on batch row b, its dQ landed: added into the accumulator's rows, or
     (`into_q`: the dQ result, which the pass's first launch writes) written there and its rows
     `later_q` seeded into the accumulator. `fixed_b`: (dout, q, out, dQ accumulator) rows of row b.
     Returns the launch's (dK, dV) for the caller to add; or None where `into_kv` (the dK and dV
-    results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each)."""
+    results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each).
+    `q_runs` (Landing.of): its dQ added run by run into the accumulator or the dQ result
+    (`dq_result`, (B, H, L, D)) by role (add_runs_)."""
     dout_b, q_b, out_b, dq_b = fixed_b
     into = dict(dq=None if into_q is None else rows(into_q, b),
                 dk=None if into_kv is None else rows(into_kv[0], b),
                 dv=None if into_kv is None else rows(into_kv[1], b))
     dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_rows, v_rows, out_b, lse_b, li, scale, softcap, **into)
-    if into_q is None:
+    if into_q is None and q_runs is not None:
+        add_runs_(dq_b, rows(dq_result, b), li.q, dq_t, q_runs)
+    elif into_q is None:
         add_rows_(dq_b, li.q, dq_t)
     else:  # the rows later launches add to, in float32
         seed_later_(dq_b, dq_t, later_q)
@@ -337,3 +420,23 @@ def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
             acc_rows[a:b].add_(grad[c:d])  # (not `+=` on a slice: that adds, then copies back onto itself)
     else:
         acc_rows.index_add_(0, where.index, grad.to(acc_rows.dtype))
+
+
+def add_runs_(acc_rows: torch.Tensor, result_rows: torch.Tensor, where: Where, grad: torch.Tensor, runs) -> None:
+    """add_rows_ run by run (plan/fuse.py row_runs), rows in place (where.span): ONLY adds into
+    the result (in its dtype: computed in float32, rounded once, as a float32 accumulator cast
+    back), FIRST copies the result's rows into the accumulator and adds, MID adds there, LAST
+    writes accumulator + grad into the result (rounded once). The runs hold only the launch's
+    own rows (never a row between: a FIRST or LAST there would overwrite another's)."""
+    w0 = where.span[0]
+    for a, b, role in runs:
+        g = grad[a - w0:b - w0]
+        if role == ONLY:
+            result_rows[a:b].add_(g)
+        elif role == FIRST:
+            acc_rows[a:b].copy_(result_rows[a:b])
+            acc_rows[a:b].add_(g)
+        elif role == MID:
+            acc_rows[a:b].add_(g)
+        else:
+            torch.add(acc_rows[a:b], g, out=result_rows[a:b])

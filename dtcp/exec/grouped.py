@@ -32,12 +32,12 @@ from ..comm.p2p import NoComm, fit_views
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from ..plan.fuse import later_keys, later_rows
+from ..plan.fuse import later_keys
 from ..plan.group import group_launches, share_writes, step_chunks
 from .allgather import bounded_put
 from .fused import (_indexed, add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_gradients,
-                    finish_results, fused_steps, fuses, gradient_results, launch_forward, merge_launch_, rows,
-                    seed_later_, takes_gaps)
+                    finish_results, fused_steps, fuses, gradient_results, landing, launch_forward, merge_launch_,
+                    rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 from .ring import _rows, _task_keys
 
@@ -121,6 +121,13 @@ def _launches(fused, groups) -> tuple:
     return (local,) + tuple((g.launch,) for g, _ in groups if g.launch is not None)
 
 
+def _sites(fused, groups) -> tuple:
+    """_launches as LaunchIndex (exec/fused.py landing): the local step's, then each group's."""
+    if groups is None:
+        return fused
+    return (fused[0],) + tuple((li,) for _, li in groups if li is not None)
+
+
 def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None, *, size: int):
     """As exec/ring.py ring_forward (same arguments and results), the received blocks in groups of
     `size` steps."""
@@ -135,20 +142,25 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
     groups = _group_indices(plan, kernel, q.device, size)
 
     # The local step first (while the first group's blocks arrive). As in the ring: where its
-    # first launch covers every row, it writes out and lse straight into the results, and only
-    # the hull of the rows later launches merge into goes through float32 (`later`); with a sink
-    # every row's result changes after the merge, so float32 covers every row.
+    # first launch covers every row, it writes out and lse straight into the results, and the
+    # group launches land their rows run by run (exec/fused.py Landing; else the hull `later` goes
+    # through float32); with a sink every row's result changes after the merge, so float32 covers
+    # every row.
     direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
-    later = later_rows(_launches(fused, groups)) if direct else (0, local_len)
+    land = landing(_sites(fused, groups), takes_gaps(kernel)) if direct else None
+    later = land.seed if direct else (0, local_len)
     out = None
     if direct:
-        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, later)
+        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, land.acc)
         lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
     else:
         out_acc = torch.zeros(out_shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     q_rows = [rows(q, b) for b in range(batch)]
     out_rows = [rows(out_acc, b) for b in range(batch)]
+
+    def landed(b: int, li) -> tuple:  # merge_launch_'s (result rows, runs) where the first launch wrote the results
+        return (rows(out, b), land.of(li)) if direct else (None, None)
 
     def run_step(t: int, block) -> None:
         step = plan.steps[t]
@@ -162,7 +174,7 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
                         seed_later_(out_rows[b], final, later)
                         continue
                     o, l = launch_forward(kernel, q_rows[b], k_b, v_b, li, scale, softcap)
-                    merge_launch_(out_rows[b], lse_acc[b], li, o, l)
+                    merge_launch_(out_rows[b], lse_acc[b], li, o, l, *landed(b, li))
             return
         for task in step.tasks:
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
@@ -183,7 +195,7 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
         for b in range(batch):
             o, l = launch_forward(kernel, q_rows[b], _packed(held, group.pieces, 0, b),
                                   _packed(held, group.pieces, 1, b), li, scale, softcap)
-            merge_launch_(out_rows[b], lse_acc[b], li, o, l)
+            merge_launch_(out_rows[b], lse_acc[b], li, o, l, *landed(b, li))
     comm.finish()
     if sink is not None:
         apply_sink_(out_acc, lse_acc, sink)
@@ -208,16 +220,18 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
     fused = fused_steps(plan, kernel, q.device)
     groups = _group_indices(plan, kernel, q.device, size)
     # As the ring's: where the local step's first launch covers every row (every key of the
-    # rank's block), it writes dQ (dK/dV) straight into the results, and float32 holds only the
-    # hull of the rows (keys) more launches or the shares coming home add to.
+    # rank's block), it writes dQ (dK/dV) straight into the results; later launches add dQ run
+    # by run (exec/fused.py Landing, as the forward's rows), and float32 holds only the hull of the
+    # keys more launches or the shares coming home add to.
     fill_q = fused is not None and fills_rows(fused[0], local_len)
     fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
     launches = _launches(fused, groups) if fill_q or fill_kv else None
-    later_q = later_rows(launches) if fill_q else (0, 0)
+    land_q = landing(_sites(fused, groups), takes_gaps(kernel)) if fill_q else None  # (as the forward's rows)
+    later_q = land_q.seed if fill_q else (0, 0)
     # (every received step's share comes home; with NoComm nothing does, but the adds are timed)
     later_kv = later_keys(launches, plan.used_keys) if fill_kv else (0, 0)
 
-    dq_out, dq_acc = gradient_results(q, acc, fill_q, later_q)
+    dq_out, dq_acc = gradient_results(q, acc, fill_q, land_q.acc if fill_q else (0, 0))
     (dk_out, dk_acc), (dv_out, dv_acc) = (gradient_results(x, acc, fill_kv, later_kv) for x in (k, v))
     own_dkv = (dk_acc, dv_acc)
     fixed = [[rows(x, b) for x in (dout, q, out, dq_acc)] for b in range(batch)]
@@ -233,7 +247,8 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
                     grads = backward_launch_(kernel, fixed[b], k_b, v_b, lse[b], li, scale, softcap, b,
                                              into_q=dq_out if first and fill_q else None,
                                              into_kv=(dk_out, dv_out) if first and fill_kv else None,
-                                             later_q=later_q, dkv_acc=dkv, later_kv=later_kv)
+                                             later_q=later_q, dkv_acc=dkv, later_kv=later_kv,
+                                             dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
                     for acc, got in zip(dkv, grads or ()):
                         add_rows_(rows(acc, b), li.k, got)
             return
@@ -287,7 +302,8 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             writes = share_writes(group, tuple(plan.steps[t].span_len for t in chunk)) if li is not None else ()
             for b in range(batch) if li is not None else ():
                 grads = backward_launch_(kernel, fixed[b], _packed(held, group.pieces, 0, b),
-                                         _packed(held, group.pieces, 1, b), lse[b], li, scale, softcap, b)
+                                         _packed(held, group.pieces, 1, b), lse[b], li, scale, softcap, b,
+                                         dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
                 for share, (step_writes, zeros) in zip(shares, writes):
                     for mine, got in zip(share, grads):
                         mine_b = rows(mine, b)

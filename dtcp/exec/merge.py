@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
-                rows_used: Optional[torch.Tensor] = None) -> None:
+                rows_used: Optional[torch.Tensor] = None, out_src: Optional[torch.Tensor] = None) -> None:
     """In place: fold one block's (out_blk, lse_blk) into the running (out_acc, lse_acc).
 
     out_acc: (B, H, L, D) float32/float64, lse_acc: (B, H, L) same dtype (-inf where no key yet).
@@ -32,16 +32,24 @@ def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Ten
     (0, -inf) instead of turning into NaN. rows_used: (L,) bool or None; where False the
     accumulators stay as they are and the block's values there are not used (any value, NaN
     included: a kernel's rows left unwritten).
+
+    out_src: the running output to read, shaped like out_acc, when it is not out_acc itself (then
+    out_acc is only written); either may then be in the inputs' dtype (bf16, fp16): the merge reads
+    it into lse_acc's dtype, computes there and rounds once where it writes. So a merge from a
+    bf16 result into a float32 accumulator, or from one back into the result, gives the bits of a
+    float32 copy of the result merged in place and cast back (exec/fused.py routes rows so).
     """
     if config.merge == "triton" and triton is None:
         raise RuntimeError("dtcp.config.merge='triton' but triton is not installed; use 'auto' or 'torch'")
-    if _use_triton(out_acc, lse_acc, out_blk, lse_blk):
-        _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used)
+    src = out_acc if out_src is None else out_src
+    if _use_triton(out_acc, lse_acc, out_blk, lse_blk, src):
+        _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used, src)
     else:
-        _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used)
+        _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used, src)
 
 
-def _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used=None):
+def _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used=None, out_src=None):
+    src = out_acc if out_src is None else out_src
     if rows_used is not None:  # unused rows: no keys (lse -inf), value 0 (not NaN * 0)
         lse_blk = torch.where(rows_used, lse_blk, float("-inf"))
         out_blk = torch.where(rows_used.unsqueeze(-1), out_blk, 0)
@@ -50,17 +58,25 @@ def _merge_torch(out_acc, lse_acc, out_blk, lse_blk, rows_used=None):
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = torch.exp(lse_acc - safe).unsqueeze(-1)
     w_blk = torch.exp(lse_blk - safe).unsqueeze(-1)
-    out_acc.mul_(w_old).add_(out_blk.to(out_acc.dtype) * w_blk)
+    if src is out_acc and out_acc.dtype == lse_acc.dtype:
+        out_acc.mul_(w_old).add_(out_blk.to(out_acc.dtype) * w_blk)
+    else:  # the same operations on the source read into lse_acc's dtype, written once
+        new = src.to(lse_acc.dtype, copy=True).mul_(w_old).add_(out_blk.to(lse_acc.dtype) * w_blk)
+        if rows_used is not None:  # rows left out are not written
+            new = torch.where(rows_used.unsqueeze(-1), new, out_acc.to(lse_acc.dtype))
+        out_acc.copy_(new)
     lse_acc.copy_(new_lse)
 
 
-def _use_triton(out_acc, lse_acc, out_blk, lse_blk) -> bool:
+def _use_triton(out_acc, lse_acc, out_blk, lse_blk, out_src=None) -> bool:
+    src = out_acc if out_src is None else out_src
     return (
         triton is not None
         and out_acc.is_cuda
-        and out_acc.dtype == torch.float32
         and lse_acc.dtype == torch.float32
+        and all(x.dtype in (torch.float32, torch.bfloat16, torch.float16) for x in (out_acc, src))
         and out_acc.stride(-1) == 1
+        and src.stride(-1) == 1
         and out_blk.stride(-1) == 1
         and out_acc.shape[-1] <= 256
         and config.merge != "torch"
@@ -71,9 +87,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        out_ptr, lse_ptr, blk_ptr, blk_lse_ptr,
+        out_ptr, lse_ptr, blk_ptr, blk_lse_ptr, src_ptr,
         H, L, D,
-        so_b, so_h, so_l, sl_b, sl_h, sl_l,
+        so_b, so_h, so_l, ss_b, ss_h, ss_l, sl_b, sl_h, sl_l,
         sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l, used_ptr,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_USED: tl.constexpr,
     ):
@@ -97,21 +113,26 @@ if triton is not None:
         inv = tl.where(total > 0, 1.0 / total, 0.0)
 
         o_ptrs = out_ptr + b * so_b + h * so_h + rows[:, None] * so_l + cols[None, :]
+        s_ptrs = src_ptr + b * ss_b + h * ss_h + rows[:, None] * ss_l + cols[None, :]
         b_ptrs = blk_ptr + b * sb_b + h * sb_h + rows[:, None] * sb_l + cols[None, :]
-        o = tl.load(o_ptrs, mask=mask, other=0.0)
+        o = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
         ob = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
-        o = (o * (w_old * inv)[:, None]) + (ob * (w_blk * inv)[:, None])
-        tl.store(o_ptrs, o, mask=mask)
+        # One explicit fma: the compiler would otherwise contract o * a + ob * b either way
+        # depending on the source's dtype, and a bf16 source must give a float32 one's bits.
+        o = tl.fma(o, (w_old * inv)[:, None], ob * (w_blk * inv)[:, None])
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, m + tl.log(total), mask=rmask)
 
-    def _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used=None):
+    def _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used=None, out_src=None):
+        src = out_acc if out_src is None else out_src
         bsz, h, l, d = out_acc.shape
         block_d = triton.next_power_of_2(d)
         block_l = max(1, 4096 // block_d)
         grid = (bsz * h, triton.cdiv(l, block_l))
         _merge_kernel[grid](
-            out_acc, lse_acc, out_blk, lse_blk, h, l, d,
+            out_acc, lse_acc, out_blk, lse_blk, src, h, l, d,
             out_acc.stride(0), out_acc.stride(1), out_acc.stride(2),
+            src.stride(0), src.stride(1), src.stride(2),
             lse_acc.stride(0), lse_acc.stride(1), lse_acc.stride(2),
             out_blk.stride(0), out_blk.stride(1), out_blk.stride(2),
             lse_blk.stride(0), lse_blk.stride(1), lse_blk.stride(2),

@@ -5,8 +5,10 @@ Forward: Q stays; K/V blocks travel one rank per step, each with only the keys i
 kernels so communication overlaps compute. Partial results merge into float32 (out, lse)
 accumulators (float64 for float64 inputs); when the local block's kernel calls are disjoint (one
 call, or one per document), or its first one-launch step covers every row (written straight into
-the results: plan/fuse.py `later_rows`), only the rows later blocks reach get one, and the rest
-keep the local call's result as the kernel returned it.
+the results), only the rows later blocks reach get one, and the rest keep the local call's result
+as the kernel returned it. With one-launch steps a row that only one later launch reaches merges
+straight into the result too, and a row several reach is read from the result by the first and
+written back by the last (exec/fused.py `Landing`, plan/fuse.py `row_runs`).
 
 Plans may have fewer steps than ranks (sliding windows, documents) and up to two chains: blocks
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
@@ -32,10 +34,10 @@ from ..comm.p2p import NoComm
 from ..kernels import Kernel, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import RingPlan
-from ..plan.fuse import later_keys, later_rows
+from ..plan.fuse import later_keys
 from .fused import (add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_gradients,
-                    finish_results, fused_steps, gradient_results, launch_forward, launches_of, merge_launch_, rows,
-                    seed_later_)
+                    finish_results, fused_steps, gradient_results, landing, launch_forward, launches_of, merge_launch_,
+                    rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
 
 
@@ -91,17 +93,23 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     # heads that is GiBs less memory traffic).
     # One varlen launch per step (and window) where the kernel has one (dtcp/exec/fused.py); its
     # results merge into float32 accumulators. Where the local step's first launch covers every
-    # row, it writes straight into the call's out and lse (`direct`), and only the rows later
-    # launches merge into (plan/fuse.py later_rows, a hull) go through the float32 accumulator:
-    # copied in after that launch, back at the end. The rows outside keep the kernel's output as it
-    # wrote it, which is what a float32 round trip would give back (the same values): on a Balanced
+    # row, it writes straight into the call's out and lse (`direct`), and the later launches land
+    # their rows run by run (exec/fused.py Landing): a row one of them reaches merges into the
+    # result itself, a row several reach goes through the float32 accumulator only between the
+    # first (which reads the result) and the last (which writes it). Each gives the bits a float32
+    # accumulator over every row would: the values round once, where they are written. Where a
+    # launch's rows are gathered (a kernel without varlen gaps), the hull of the later rows goes
+    # through float32 instead: copied in after the first launch, back at the end. On a Balanced
     # rank most rows are documents held whole, which one launch finishes (no copy at all for them,
     # where the accumulator moved 12 bytes an element; 0 where the pass is one launch).
     fused = fused_steps(plan, kernel, q.device)
     keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
     direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
-    later = later_rows(launches_of(fused)) if direct else (0, local_len)
+    # The later launches' rows: run by run into the result or the accumulator (exec/fused.py
+    # Landing: a row that one of them reaches never goes through float32), else the hull.
+    land = landing(fused, takes_gaps(kernel)) if direct else None
+    later = land.seed if direct else (0, local_len)
 
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
         return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -110,7 +118,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
         out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
     if direct:  # (rows outside `later` are never read or written here: no fill)
-        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, later)
+        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, land.acc)
         lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
 
     for t, step in enumerate(plan.steps):
@@ -139,6 +147,8 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                     if fill and i == 0:
                         out_b.copy_(o)
                         lse_acc[b].copy_(l)
+                    elif direct:
+                        merge_launch_(out_b, lse_acc[b], li, o, l, rows(out, b), land.of(li))
                     else:
                         merge_launch_(out_b, lse_acc[b], li, o, l)
         for task in step.tasks if fused is None else ():
@@ -243,11 +253,12 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         fill_q = fused is not None and fills_rows(fused[0], local_len)
         fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
         launches = launches_of(fused) if fill_q or fill_kv else None
-        later_q = later_rows(launches) if fill_q else (0, 0)
+        land_q = landing(fused, takes_gaps(kernel)) if fill_q else None  # (as the forward's rows)
+        later_q = land_q.seed if fill_q else (0, 0)
         # (the returned keys count with NoComm too, which adds nothing: the copies are timed as a ring's)
         later_kv = later_keys(launches, plan.returned_keys) if fill_kv else (0, 0)
 
-        dq_out, dq_acc = gradient_results(q, acc, fill_q, later_q)
+        dq_out, dq_acc = gradient_results(q, acc, fill_q, land_q.acc if fill_q else (0, 0))
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
         (dk_out, dk_acc), (dv_out, dv_acc) = (gradient_results(x, acc, fill_kv, later_kv) for x in (k, v))
         own_dkv = (dk_acc, dv_acc)
@@ -274,7 +285,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                     grads = backward_launch_(kernel, fixed_rows[b], k_b, v_b, lse[b], li, scale, softcap, b,
                                              into_q=dq_out if first and fill_q else None,
                                              into_kv=(dk_out, dv_out) if first and fill_kv else None,
-                                             later_q=later_q, dkv_acc=(dk_acc, dv_acc), later_kv=later_kv)
+                                             later_q=later_q, dkv_acc=(dk_acc, dv_acc), later_kv=later_kv,
+                                             dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
                     if grads is not None:
                         block_grads.append((b, li.k) + grads)
                     del grads

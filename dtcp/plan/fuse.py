@@ -329,18 +329,88 @@ def later_keys(steps, returned: tuple[int, int]) -> tuple[int, int]:
     return _hull([r for launch in steps[0][1:] for r in launch.k_ranges] + [returned])
 
 
+#: roles of a run of query rows in a launch after the pass's first (`row_runs`): the only such
+#: launch that reaches those rows, the first of several, one between, the last
+ONLY, FIRST, MID, LAST = 0, 1, 2, 3
+#: a pass routes its later launches' rows run by run (`row_runs`) only where no launch has more runs
+#: than this; more, and the runs' tensor ops cost the host more than the float32 passes they save
+#: (a DocZigzag step's launch holds ~100 ranges), so the hull goes through float32 instead
+MAX_RUNS = 8
+
+
+def in_place(launch: Launch, gaps: bool) -> bool:
+    """Are a launch's query rows read and its results landed in place (one slice, or a window
+    whose rows lie apart in order for a kernel that takes varlen gaps), not gathered?"""
+    return launch.q_span is not None or (gaps and launch.q_in_order)
+
+
+@lru_cache(maxsize=256)
+def row_runs(launches: tuple[Launch, ...], gaps: bool):
+    """Where each launch after a pass's first lands its query rows, or None where the pass keeps
+    the hull in float32 (`later_rows`): some launch's rows are gathered (not `in_place`), or has
+    more than MAX_RUNS runs. `launches`: the pass's launches in the order they run, its first
+    (which covers every row and writes the results) first.
+
+    Returns, per later launch, its rows as runs (start, end, role), in order, covering exactly
+    its rows: ONLY where no other later launch reaches them (it merges into the result itself: in
+    bf16, the same bits as a float32 accumulator seeded with the result and cast back, since
+    both round once), else FIRST (reads the result, writes the float32 accumulator), MID
+    (accumulator to accumulator) or LAST (reads the accumulator, writes the result). No row is
+    copied into float32 or back beyond these launches' own merges and adds."""
+    later = launches[1:]
+    if not later:
+        return ()
+    if not all(in_place(launch, gaps) for launch in later):
+        return None
+    cuts = sorted({x for launch in later for r in launch.q_ranges for x in r})
+    covering = [[] for _ in range(max(0, len(cuts) - 1))]  # the launches (in order) over each segment
+    for j, launch in enumerate(later):
+        for a, b in launch.q_ranges:
+            for i in range(bisect.bisect_left(cuts, a), bisect.bisect_left(cuts, b)):
+                covering[i].append(j)
+    runs = [[] for _ in later]
+    for i, who in enumerate(covering):
+        a, b = cuts[i], cuts[i + 1]
+        for pos, j in enumerate(who):
+            role = ONLY if len(who) == 1 else FIRST if pos == 0 else LAST if pos == len(who) - 1 else MID
+            mine = runs[j]
+            if mine and mine[-1][1] == a and mine[-1][2] == role:
+                mine[-1] = (mine[-1][0], b, role)
+            else:
+                mine.append((a, b, role))
+    if max(map(len, runs)) > MAX_RUNS:
+        return None
+    return tuple(map(tuple, runs))
+
+
+def accumulator_hull(runs) -> tuple[int, int]:
+    """The hull of the rows `row_runs` sends through the float32 accumulator (roles other than ONLY)."""
+    return _hull((a, b) for launch in runs for a, b, role in launch if role != ONLY)
+
+
+#: float32 accumulator bytes per element of a later launch's rows, by role (row_runs), forward and
+#: backward averaged: ONLY 6 (read the result and the launch's output, 2 + 2, write 2; the
+#: backward's bf16 add the same); FIRST 12 (forward: read 2 + 2, write 4; backward: the result
+#: copied in, 2 + 4, then the add, 4 + 2 + 4); MID 10 (read 4 + 2, write 4); LAST 8 (read 4 + 2, write 2)
+ROLE_BYTES = {ONLY: 6, FIRST: 12, MID: 10, LAST: 8}
+
+
 def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
     """Bytes per (query row x head x head-dim element) that the fused ring's float32 accumulators
     move in one pass, forward or backward (exec/ring.py with exec/fused.py), beyond the kernels.
-    Where the local step's first launch covers every row it writes the results itself, and only
-    the hull of the rows the other launches touch goes through float32 (`later_rows`): copied
-    in after it (read 2 bytes, write 4) and back at the end (read 4, write 2); else a zero fill (4) and the final cast (read 4, write 2) over every row. Then a merge
-    (read 4 + 2, write 4) for every other launch's rows, 16 more where a launch's rows are
-    scattered (gathered in, merged, scattered back; not with `gaps`, a kernel that reads rows
-    lying apart in order in place, merged range by range). `steps`: fused_launches(plan)."""
+    Where the local step's first launch covers every row it writes the results itself; the later
+    launches then land run by run where `row_runs` routes them (ROLE_BYTES), else the hull of the
+    rows they touch goes through float32 (`later_rows`): copied in after the first launch (read 2
+    bytes, write 4) and back at the end (read 4, write 2), and each later launch merges (read 4 +
+    2, write 4), 16 more where its rows are scattered (gathered in, merged, scattered back). Where
+    the first launch does not cover every row: a zero fill (4) and the final cast (read 4, write
+    2) over every row, and a merge per launch. `steps`: fused_launches(plan)."""
     first = steps[0][0] if steps and steps[0] else None
     fill = first is not None and first.q_span == (0, local_len)
     if fill:
+        runs = row_runs(tuple(launch for launches in steps for launch in launches), gaps)
+        if runs is not None:
+            return sum(ROLE_BYTES[role] * (b - a) for launch in runs for a, b, role in launch)
         start, end = later_rows(steps)
         total = 12 * (end - start)
     else:
@@ -350,6 +420,6 @@ def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
             if fill and launch is first:
                 continue
             rows = launch.cu_q[-1]
-            gathered = launch.q_span is None and not (gaps and launch.q_in_order)
+            gathered = not in_place(launch, gaps)
             total += 10 * rows + (16 * rows if gathered else 0)
     return total

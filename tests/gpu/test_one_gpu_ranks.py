@@ -182,6 +182,43 @@ def test_triton_merge_with_a_row_mask():
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("role", ["only", "first", "last"])
+def test_triton_merge_between_the_result_and_the_accumulator(role, masked):
+    """The ring's later launches merge run by run (exec/fused.py Landing): from the bf16 result
+    into itself (a row one later launch reaches), from it into the float32 accumulator (the first
+    of several) or from the accumulator into it (the last). Each gives the bits of the float32
+    path (the result copied into float32, merged in place, cast back); rows a row mask leaves
+    out are not written."""
+    from dtcp.exec import merge as M
+    g = torch.Generator(device="cuda").manual_seed(5)
+    h, length, d = 4, 1000, 128
+    result = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
+    acc = torch.randn(1, h, length, d, device="cuda", generator=g)
+    lse = torch.randn(1, h, length, device="cuda", generator=g)
+    lse[:, :, :40] = float("-inf")  # rows that have seen no key yet
+    blk = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
+    blk_lse = torch.randn(1, h, length, device="cuda", generator=g)
+    used = (torch.rand(length, device="cuda", generator=g) < 0.6) if masked else None
+    keep = torch.ones(length, dtype=torch.bool, device="cuda") if used is None else used
+    src32 = acc.clone() if role == "last" else result.float()  # the float32 path
+    want_lse = lse.clone()
+    M.merge_into_(src32, want_lse, blk, blk_lse, rows_used=used)
+    got_lse, got_result, got_acc = lse.clone(), result.clone(), acc.clone()
+    if role == "only":
+        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used)
+        written, before, want = got_result, result, src32.to(torch.bfloat16)
+    elif role == "first":
+        M.merge_into_(got_acc, got_lse, blk, blk_lse, rows_used=used, out_src=got_result)
+        written, before, want = got_acc, acc, src32
+    else:
+        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used, out_src=got_acc)
+        written, before, want = got_result, result, src32.to(torch.bfloat16)
+    assert M._use_triton(written, got_lse, blk, blk_lse, got_acc if role == "last" else got_result)
+    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(got_lse, want_lse)
+    assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
+
+
 @pytest.mark.parametrize("backend", ["fa4", "flash"])
 @pytest.mark.parametrize("hkv", [2, 4])
 def test_launch_into_strided_results_equals_a_fresh_launch(backend, hkv):
