@@ -20,7 +20,7 @@ plan object (plans are cached by value, so a new document structure is a new pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,7 +30,7 @@ from ..kernels import Kernel, VarlenSeqs
 from ..plan import RingPlan
 from ..plan.fuse import FIRST, LAST, MID, ONLY, Launch, accumulator_hull, fused_launches, later_rows, row_runs
 from .allgather import bounded_put
-from .merge import merge_into_
+from .merge import NONE_ROLE, can_land_in_one_launch, land_add_, land_merge_, merge_into_
 
 
 @dataclass(frozen=True)
@@ -169,12 +169,27 @@ class Landing:
     runs: Optional[dict]
     acc: tuple[int, int]
     first: int = 0  # id of the pass's first launch (which has no runs: it writes the results)
+    # {id(LaunchIndex): (window length,) int8 on the device: each row's role, NONE_ROLE between
+    # the launch's rows}, made on first use (once per plan: landings are cached with the launches)
+    roles: dict = field(default_factory=dict, compare=False, repr=False)
 
     def of(self, li: "LaunchIndex"):
         """The runs of a later launch (None: onto the accumulator; the first launch: None)."""
         if self.runs is None or id(li) == self.first:
             return None
         return self.runs[id(li)]  # (a launch of another pass: KeyError, never a silent hull)
+
+    def roles_of(self, li: "LaunchIndex", device) -> torch.Tensor:
+        """A later launch's runs as one role per row of its window (li.q.span), for the one-launch
+        merge and add (exec/merge.py land_merge_ / land_add_)."""
+        got = self.roles.get(id(li))
+        if got is None:
+            w0, w1 = li.q.span
+            got = torch.full((w1 - w0,), NONE_ROLE, dtype=torch.int8)
+            for a, b, role in self.of(li):
+                got[a - w0:b - w0] = role
+            got = self.roles[id(li)] = got.to(device)
+        return got
 
 
 _LANDINGS: dict = {}
@@ -311,13 +326,21 @@ def _landed(got, into):
 
 
 def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse,
-                  result_rows: Optional[torch.Tensor] = None, runs=None) -> None:
+                  result_rows: Optional[torch.Tensor] = None, land: Optional[Landing] = None) -> None:
     """Fold a launch's (out (T, H, Dv), lse (H, T)) into one batch row's accumulators:
-    out_acc_rows (L, H, Dv), lse_acc (H, L). `runs` (Landing.of): its rows run by run, each
-    read from and written to the result (`result_rows`, (L, H, Dv)) or the accumulator by role."""
+    out_acc_rows (L, H, Dv), lse_acc (H, L). `land` (where the pass's first launch wrote the
+    results): where it routes this launch's rows (Landing.of), each is read from and written to
+    the result (`result_rows`, (L, H, Dv)) or the accumulator by its role."""
     where = li.q
     blk_out, blk_lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)  # (1, H, T, Dv), (1, H, T)
+    runs = None if land is None else land.of(li)
     if runs is not None:
+        if can_land_in_one_launch(out_acc_rows, result_rows, blk_out, lse_acc):  # one launch, roles per row
+            w0, w1 = where.span
+            land_merge_(out_acc_rows[w0:w1].transpose(0, 1).unsqueeze(0),
+                        result_rows[w0:w1].transpose(0, 1).unsqueeze(0), lse_acc[:, w0:w1].unsqueeze(0),
+                        blk_out, blk_lse, land.roles_of(li, blk_out.device))
+            return
         _merge_runs_(out_acc_rows, lse_acc, where, blk_out, blk_lse, result_rows, runs)
         return
     if where.one_slice:  # (with a row mask: the rows between hold nothing of this launch)
@@ -382,21 +405,22 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
 
 def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,
                      into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0), dq_result=None,
-                     q_runs=None):
+                     land_q: Optional[Landing] = None):
     """One launch's backward on batch row b, its dQ landed: added into the accumulator's rows, or
     (`into_q`: the dQ result, which the pass's first launch writes) written there and its rows
     `later_q` seeded into the accumulator. `fixed_b`: (dout, q, out, dQ accumulator) rows of row b.
     Returns the launch's (dK, dV) for the caller to add; or None where `into_kv` (the dK and dV
     results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each).
-    `q_runs` (Landing.of): its dQ added run by run into the accumulator or the dQ result
-    (`dq_result`, (B, H, L, D)) by role (add_runs_)."""
+    `land_q`: where it routes this launch's rows (Landing.of), its dQ is added into the
+    accumulator or the dQ result (`dq_result`, (B, H, L, D)) by role (add_runs_)."""
     dout_b, q_b, out_b, dq_b = fixed_b
     into = dict(dq=None if into_q is None else rows(into_q, b),
                 dk=None if into_kv is None else rows(into_kv[0], b),
                 dv=None if into_kv is None else rows(into_kv[1], b))
     dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_rows, v_rows, out_b, lse_b, li, scale, softcap, **into)
-    if into_q is None and q_runs is not None:
-        add_runs_(dq_b, rows(dq_result, b), li.q, dq_t, q_runs)
+    runs = None if land_q is None or into_q is not None else land_q.of(li)
+    if runs is not None:
+        add_runs_(dq_b, rows(dq_result, b), li.q, dq_t, runs, land_q, li)
     elif into_q is None:
         add_rows_(dq_b, li.q, dq_t)
     else:  # the rows later launches add to, in float32
@@ -422,13 +446,19 @@ def add_rows_(acc_rows: torch.Tensor, where: Where, grad: torch.Tensor) -> None:
         acc_rows.index_add_(0, where.index, grad.to(acc_rows.dtype))
 
 
-def add_runs_(acc_rows: torch.Tensor, result_rows: torch.Tensor, where: Where, grad: torch.Tensor, runs) -> None:
+def add_runs_(acc_rows: torch.Tensor, result_rows: torch.Tensor, where: Where, grad: torch.Tensor, runs,
+              land: Optional[Landing] = None, li: Optional[LaunchIndex] = None) -> None:
     """add_rows_ run by run (plan/fuse.py row_runs), rows in place (where.span): ONLY adds into
     the result (in its dtype: computed in float32, rounded once, as a float32 accumulator cast
     back), FIRST copies the result's rows into the accumulator and adds, MID adds there, LAST
     writes accumulator + grad into the result (rounded once). The runs hold only the launch's
-    own rows (never a row between: a FIRST or LAST there would overwrite another's)."""
+    own rows (never a row between: a FIRST or LAST there would overwrite another's). On CUDA one
+    launch does it all with the launch's roles per row (`land`, `li`: exec/merge.py land_add_)."""
     w0 = where.span[0]
+    if land is not None and can_land_in_one_launch(acc_rows, result_rows, grad):
+        w1 = where.span[1]
+        land_add_(acc_rows[w0:w1], result_rows[w0:w1], grad, land.roles_of(li, grad.device))
+        return
     for a, b, role in runs:
         g = grad[a - w0:b - w0]
         if role == ONLY:

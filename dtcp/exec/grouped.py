@@ -159,8 +159,8 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
     q_rows = [rows(q, b) for b in range(batch)]
     out_rows = [rows(out_acc, b) for b in range(batch)]
 
-    def landed(b: int, li) -> tuple:  # merge_launch_'s (result rows, runs) where the first launch wrote the results
-        return (rows(out, b), land.of(li)) if direct else (None, None)
+    def landed(b: int, li) -> tuple:  # merge_launch_'s (result rows, landing) where the first launch wrote the results
+        return (rows(out, b), land) if direct else (None, None)
 
     def run_step(t: int, block) -> None:
         step = plan.steps[t]
@@ -248,7 +248,7 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
                                              into_q=dq_out if first and fill_q else None,
                                              into_kv=(dk_out, dv_out) if first and fill_kv else None,
                                              later_q=later_q, dkv_acc=dkv, later_kv=later_kv,
-                                             dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
+                                             dq_result=dq_out, land_q=land_q)
                     for acc, got in zip(dkv, grads or ()):
                         add_rows_(rows(acc, b), li.k, got)
             return
@@ -303,7 +303,7 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
             for b in range(batch) if li is not None else ():
                 grads = backward_launch_(kernel, fixed[b], _packed(held, group.pieces, 0, b),
                                          _packed(held, group.pieces, 1, b), lse[b], li, scale, softcap, b,
-                                         dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
+                                         dq_result=dq_out, land_q=land_q)
                 for share, (step_writes, zeros) in zip(shares, writes):
                     for mine, got in zip(share, grads):
                         mine_b = rows(mine, b)

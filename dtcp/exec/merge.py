@@ -153,3 +153,116 @@ def apply_sink_(out_acc: torch.Tensor, lse_acc: torch.Tensor, sink: torch.Tensor
     weight = torch.where(seen, torch.exp(lse_acc - new_lse), torch.ones_like(lse_acc))
     out_acc.mul_(weight.unsqueeze(-1))
     lse_acc.copy_(new_lse)
+
+
+# ---- routed rows in one launch (exec/fused.py Landing) ---------------------------------------------------
+#: a row's role in a launch (plan/fuse.py ONLY, FIRST, MID, LAST), and NONE for a row of the launch's
+#: window that is not its own (neither read nor written)
+NONE_ROLE = 4
+
+
+def can_land_in_one_launch(*tensors: torch.Tensor) -> bool:
+    """Can land_merge_ / land_add_ run as one Triton launch on these (CUDA, float32 or half
+    types, the last dim contiguous)?"""
+    return (triton is not None and config.merge != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors))
+
+
+def land_merge_(acc: torch.Tensor, result: torch.Tensor, lse: torch.Tensor, out_blk: torch.Tensor,
+                lse_blk: torch.Tensor, roles: torch.Tensor) -> None:
+    """merge_into_ over a launch's window with each row's role (`roles`, (L,) int8 on the device:
+    ONLY reads and writes `result`, FIRST reads it and writes `acc`, MID `acc` to `acc`, LAST
+    `acc` to `result`, NONE_ROLE neither), in one launch: the bits of merge_into_ run role by role.
+    acc, result, out_blk: (B, H, L, D); lse (float32), lse_blk: (B, H, L)."""
+    bsz, h, l, d = acc.shape
+    block_d = triton.next_power_of_2(d)
+    block_l = max(1, 4096 // block_d)
+    _land_merge_kernel[(bsz * h, triton.cdiv(l, block_l))](
+        acc, result, lse, out_blk, lse_blk, roles, h, l, d,
+        acc.stride(0), acc.stride(1), acc.stride(2), result.stride(0), result.stride(1), result.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2), out_blk.stride(0), out_blk.stride(1), out_blk.stride(2),
+        lse_blk.stride(0), lse_blk.stride(1), lse_blk.stride(2),
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def land_add_(acc: torch.Tensor, result: torch.Tensor, grad: torch.Tensor, roles: torch.Tensor) -> None:
+    """The backward's dQ add over a launch's window by role, in one launch (rows form, (L, H, D)
+    each): ONLY result += grad (rounded once), FIRST acc = result + grad, MID acc += grad, LAST
+    result = acc + grad (rounded once); NONE_ROLE rows (grad undefined there) untouched. The bits
+    of exec/fused.py add_runs_'s tensor ops."""
+    l, h, d = acc.shape
+    block_d = triton.next_power_of_2(d)
+    block_l = max(1, 4096 // block_d)
+    _land_add_kernel[(h, triton.cdiv(l, block_l))](
+        acc, result, grad, roles, l, d,
+        acc.stride(0), acc.stride(1), result.stride(0), result.stride(1), grad.stride(0), grad.stride(1),
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _land_merge_kernel(
+        acc_ptr, res_ptr, lse_ptr, blk_ptr, blk_lse_ptr, role_ptr,
+        H, L, D,
+        sa_b, sa_h, sa_l, sr_b, sr_h, sr_l, sl_b, sl_h, sl_l, sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        cols = tl.arange(0, BLOCK_D)
+        role = tl.load(role_ptr + rows, mask=rows < L, other=4)
+        act = (rows < L) & (role < 4)
+        from_res = (role == 0) | (role == 1)
+        to_res = (role == 0) | (role == 3)
+        cmask = cols[None, :] < D
+        mask = act[:, None] & cmask
+
+        lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=act, other=float("-inf"))
+        lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=act, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(lse_old, lse_blk)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_old = tl.exp(lse_old - m)
+        w_blk = tl.exp(lse_blk - m)
+        total = w_old + w_blk
+        inv = tl.where(total > 0, 1.0 / total, 0.0)
+
+        a_ptrs = acc_ptr + b * sa_b + h * sa_h + rows[:, None] * sa_l + cols[None, :]
+        r_ptrs = res_ptr + b * sr_b + h * sr_h + rows[:, None] * sr_l + cols[None, :]
+        b_ptrs = blk_ptr + b * sb_b + h * sb_h + rows[:, None] * sb_l + cols[None, :]
+        o_res = tl.load(r_ptrs, mask=mask & from_res[:, None], other=0.0).to(tl.float32)
+        o_acc = tl.load(a_ptrs, mask=mask & (from_res == 0)[:, None], other=0.0).to(tl.float32)
+        o = tl.where(from_res[:, None], o_res, o_acc)
+        ob = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        o = tl.fma(o, (w_old * inv)[:, None], ob * (w_blk * inv)[:, None])  # (as _merge_kernel)
+        tl.store(r_ptrs, o.to(res_ptr.dtype.element_ty), mask=mask & to_res[:, None])
+        tl.store(a_ptrs, o.to(acc_ptr.dtype.element_ty), mask=mask & (to_res == 0)[:, None])
+        tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, m + tl.log(total), mask=act)
+
+    @triton.jit
+    def _land_add_kernel(
+        acc_ptr, res_ptr, g_ptr, role_ptr,
+        L, D,
+        sa_l, sa_h, sr_l, sr_h, sg_l, sg_h,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        cols = tl.arange(0, BLOCK_D)
+        role = tl.load(role_ptr + rows, mask=rows < L, other=4)
+        act = (rows < L) & (role < 4)
+        from_res = (role == 0) | (role == 1)
+        to_res = (role == 0) | (role == 3)
+        mask = act[:, None] & (cols[None, :] < D)
+        a_ptrs = acc_ptr + h * sa_h + rows[:, None] * sa_l + cols[None, :]
+        r_ptrs = res_ptr + h * sr_h + rows[:, None] * sr_l + cols[None, :]
+        g_ptrs = g_ptr + h * sg_h + rows[:, None] * sg_l + cols[None, :]
+        x_res = tl.load(r_ptrs, mask=mask & from_res[:, None], other=0.0).to(tl.float32)
+        x_acc = tl.load(a_ptrs, mask=mask & (from_res == 0)[:, None], other=0.0).to(tl.float32)
+        y = tl.where(from_res[:, None], x_res, x_acc) + tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(r_ptrs, y.to(res_ptr.dtype.element_ty), mask=mask & to_res[:, None])
+        tl.store(a_ptrs, y.to(acc_ptr.dtype.element_ty), mask=mask & (to_res == 0)[:, None])

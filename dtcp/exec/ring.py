@@ -148,7 +148,7 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                         out_b.copy_(o)
                         lse_acc[b].copy_(l)
                     elif direct:
-                        merge_launch_(out_b, lse_acc[b], li, o, l, rows(out, b), land.of(li))
+                        merge_launch_(out_b, lse_acc[b], li, o, l, rows(out, b), land)
                     else:
                         merge_launch_(out_b, lse_acc[b], li, o, l)
         for task in step.tasks if fused is None else ():
@@ -286,7 +286,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                                              into_q=dq_out if first and fill_q else None,
                                              into_kv=(dk_out, dv_out) if first and fill_kv else None,
                                              later_q=later_q, dkv_acc=(dk_acc, dv_acc), later_kv=later_kv,
-                                             dq_result=dq_out, q_runs=land_q.of(li) if fill_q else None)
+                                             dq_result=dq_out, land_q=land_q)
                     if grads is not None:
                         block_grads.append((b, li.k) + grads)
                     del grads

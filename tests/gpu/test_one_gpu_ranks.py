@@ -219,6 +219,55 @@ def test_triton_merge_between_the_result_and_the_accumulator(role, masked):
     assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
 
 
+def test_one_launch_landing_equals_run_by_run():
+    """exec/merge.py land_merge_ / land_add_: a later launch's merge and dQ add over its window in
+    one launch, each row by its role (NONE between the launch's rows), bit for bit what exec/fused.py
+    does run by run (merge_into_ with a source; the tensor ops of add_runs_) on rows-form views
+    of (B, H, L, D) tensors, as the ring calls them; rows of no role keep their values."""
+    from dtcp.exec import merge as M
+    from dtcp.exec.fused import Where, _merge_runs_, add_runs_
+    from dtcp.plan.fuse import FIRST, LAST, MID, ONLY
+    g = torch.Generator(device="cuda").manual_seed(6)
+    h, length, d, w0, w1 = 4, 900, 128, 100, 700
+    roles_cpu = torch.randint(0, 5, (w1 - w0,), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    runs, start = [], None
+    for i in range(w1 - w0 + 1):  # maximal runs of one role, rows of no role (4) left out
+        r = int(roles_cpu[i]) if i < w1 - w0 else -1
+        if start is not None and r != int(roles_cpu[start]):
+            if int(roles_cpu[start]) != M.NONE_ROLE:
+                runs.append((w0 + start, w0 + i, int(roles_cpu[start])))
+            start = None
+        if start is None and 0 <= r:
+            start = i
+    assert {role for _, _, role in runs} == {ONLY, FIRST, MID, LAST}
+    roles = roles_cpu.cuda()
+    where = Where((w0, w1), None, tuple((a, b) for a, b, _ in runs), gapped=True)
+
+    def rows_of(x):  # (L, H, D) rows form of a (1, H, L, D) tensor
+        return x[0].transpose(0, 1)
+    result = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
+    acc = torch.randn(1, h, length, d, device="cuda", generator=g)
+    lse = torch.randn(1, h, length, device="cuda", generator=g)
+    lse[:, :, w0:w0 + 30] = float("-inf")
+    blk = torch.randn(w1 - w0, h, d, device="cuda", generator=g).to(torch.bfloat16)  # the launch's (T, H, D)
+    blk_lse = torch.randn(h, w1 - w0, device="cuda", generator=g)
+    got = [t.clone() for t in (acc, result, lse)]
+    want = [t.clone() for t in (acc, result, lse)]
+    blk4, blk_lse4 = blk.transpose(0, 1).unsqueeze(0), blk_lse.unsqueeze(0)
+    M.land_merge_(rows_of(got[0])[w0:w1].transpose(0, 1).unsqueeze(0), rows_of(got[1])[w0:w1].transpose(0, 1).unsqueeze(0),
+                  got[2][0][:, w0:w1].unsqueeze(0), blk4, blk_lse4, roles)
+    _merge_runs_(rows_of(want[0]), want[2][0], where, blk4, blk_lse4, rows_of(want[1]), runs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[1], result) and not torch.equal(got[0], acc)  # (both were written)
+    grad = torch.randn(w1 - w0, h, d, device="cuda", generator=g).to(torch.bfloat16)
+    grad[roles == M.NONE_ROLE] = float("nan")  # undefined between the launch's rows
+    got = [t.clone() for t in (acc, result)]
+    want = [t.clone() for t in (acc, result)]
+    M.land_add_(rows_of(got[0])[w0:w1], rows_of(got[1])[w0:w1], grad, roles)
+    add_runs_(rows_of(want[0]), rows_of(want[1]), where, grad, runs)  # (no landing: the tensor ops)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and not got[1].isnan().any()
+
+
 @pytest.mark.parametrize("backend", ["fa4", "flash"])
 @pytest.mark.parametrize("hkv", [2, 4])
 def test_launch_into_strided_results_equals_a_fresh_launch(backend, hkv):
