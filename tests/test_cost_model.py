@@ -343,6 +343,11 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     # documents (zigzag and Balanced); misses: the ring over Ulysses at N = 8-16, and at N = 4-16
     # on the window
     ("split_h100_2026-11-27_final_c.json.gz", 16, 0, 11, 15),
+    # grids a and b with the ring's later launches landing rows run by run (ninth session,
+    # 5dd6d18; accumulator_traffic counts the roles' bytes): the same kind of misses, all the
+    # ring taken over a Ulysses whose compute is faster, at N = 2-8
+    ("split_h100_2026-11-27_landing_a.json.gz", 20, 0, 14, 20),
+    ("split_h100_2026-11-27_landing_b.json.gz", 16, 0, 12, 14),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-
