@@ -496,6 +496,36 @@ def test_row_runs_route_each_row_once_through_its_launches():
                                              and all(m == MID for m in roles[1:-1])), roles
 
 
+def merged_between_result_and_accumulator(device: str, role: str, masked: bool, h: int, length: int, d: int):
+    """One merge as routed rows run it (exec/merge.py merge_into_ with a source of its own), and
+    the float32 path it must equal: from the bf16 result into itself ("only"), from it into the
+    float32 accumulator ("first"), from the accumulator into it ("last"). Returns (written, what
+    it held before, the float32 path's values, lse, the float32 path's lse, rows merged, the
+    tensors the merge read and wrote)."""
+    from dtcp.exec import merge as M
+    g = torch.Generator(device=device).manual_seed(5)
+    result = torch.randn(1, h, length, d, device=device, generator=g).to(torch.bfloat16)
+    acc = torch.randn(1, h, length, d, device=device, generator=g)
+    lse = torch.randn(1, h, length, device=device, generator=g)
+    lse[:, :, :length // 20] = float("-inf")  # rows that have seen no key yet
+    blk = torch.randn(1, h, length, d, device=device, generator=g).to(torch.bfloat16)
+    blk_lse = torch.randn(1, h, length, device=device, generator=g)
+    used = (torch.rand(length, device=device, generator=g) < 0.6) if masked else None
+    keep = torch.ones(length, dtype=torch.bool, device=device) if used is None else used
+    src32 = acc.clone() if role == "last" else result.float()  # the float32 path
+    want_lse = lse.clone()
+    M.merge_into_(src32, want_lse, blk, blk_lse, rows_used=used)
+    got_lse, got_result, got_acc = lse.clone(), result.clone(), acc.clone()
+    if role == "only":
+        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used)
+        return got_result, result, src32.to(torch.bfloat16), got_lse, want_lse, keep, (got_result, got_result)
+    if role == "first":
+        M.merge_into_(got_acc, got_lse, blk, blk_lse, rows_used=used, out_src=got_result)
+        return got_acc, acc, src32, got_lse, want_lse, keep, (got_result, got_acc)
+    M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used, out_src=got_acc)
+    return got_result, result, src32.to(torch.bfloat16), got_lse, want_lse, keep, (got_acc, got_result)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("role", ["only", "first", "last"])
 def test_torch_merge_between_the_result_and_the_accumulator(role, masked):
@@ -503,30 +533,7 @@ def test_torch_merge_between_the_result_and_the_accumulator(role, masked):
     tests/gpu/test_one_gpu_ranks.py's): from the bf16 result into itself, from it into the float32
     accumulator, from the accumulator into it: the bits of the float32 path (the result copied into
     float32, merged in place, cast back); rows a row mask leaves out are not written."""
-    from dtcp.exec import merge as M
-    g = torch.Generator().manual_seed(5)
-    h, length, d = 3, 200, 16
-    result = torch.randn(1, h, length, d, generator=g).to(torch.bfloat16)
-    acc = torch.randn(1, h, length, d, generator=g)
-    lse = torch.randn(1, h, length, generator=g)
-    lse[:, :, :10] = float("-inf")  # rows that have seen no key yet
-    blk = torch.randn(1, h, length, d, generator=g).to(torch.bfloat16)
-    blk_lse = torch.randn(1, h, length, generator=g)
-    used = (torch.rand(length, generator=g) < 0.6) if masked else None
-    keep = torch.ones(length, dtype=torch.bool) if used is None else used
-    src32 = acc.clone() if role == "last" else result.float()
-    want_lse = lse.clone()
-    M.merge_into_(src32, want_lse, blk, blk_lse, rows_used=used)
-    got_lse, got_result, got_acc = lse.clone(), result.clone(), acc.clone()
-    if role == "only":
-        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used)
-        written, before, want = got_result, result, src32.to(torch.bfloat16)
-    elif role == "first":
-        M.merge_into_(got_acc, got_lse, blk, blk_lse, rows_used=used, out_src=got_result)
-        written, before, want = got_acc, acc, src32
-    else:
-        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used, out_src=got_acc)
-        written, before, want = got_result, result, src32.to(torch.bfloat16)
-    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(got_lse, want_lse)
+    written, before, want, lse, want_lse, keep, _ = merged_between_result_and_accumulator("cpu", role, masked, 3, 200, 16)
+    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(lse, want_lse)
     assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
     assert (~keep).any() if masked else keep.all()

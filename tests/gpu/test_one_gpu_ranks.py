@@ -191,31 +191,11 @@ def test_triton_merge_between_the_result_and_the_accumulator(role, masked):
     path (the result copied into float32, merged in place, cast back); rows a row mask leaves
     out are not written."""
     from dtcp.exec import merge as M
-    g = torch.Generator(device="cuda").manual_seed(5)
-    h, length, d = 4, 1000, 128
-    result = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
-    acc = torch.randn(1, h, length, d, device="cuda", generator=g)
-    lse = torch.randn(1, h, length, device="cuda", generator=g)
-    lse[:, :, :40] = float("-inf")  # rows that have seen no key yet
-    blk = torch.randn(1, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
-    blk_lse = torch.randn(1, h, length, device="cuda", generator=g)
-    used = (torch.rand(length, device="cuda", generator=g) < 0.6) if masked else None
-    keep = torch.ones(length, dtype=torch.bool, device="cuda") if used is None else used
-    src32 = acc.clone() if role == "last" else result.float()  # the float32 path
-    want_lse = lse.clone()
-    M.merge_into_(src32, want_lse, blk, blk_lse, rows_used=used)
-    got_lse, got_result, got_acc = lse.clone(), result.clone(), acc.clone()
-    if role == "only":
-        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used)
-        written, before, want = got_result, result, src32.to(torch.bfloat16)
-    elif role == "first":
-        M.merge_into_(got_acc, got_lse, blk, blk_lse, rows_used=used, out_src=got_result)
-        written, before, want = got_acc, acc, src32
-    else:
-        M.merge_into_(got_result, got_lse, blk, blk_lse, rows_used=used, out_src=got_acc)
-        written, before, want = got_result, result, src32.to(torch.bfloat16)
-    assert M._use_triton(written, got_lse, blk, blk_lse, got_acc if role == "last" else got_result)
-    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(got_lse, want_lse)
+    from test_ring_one_launch import merged_between_result_and_accumulator
+    written, before, want, lse, want_lse, keep, (src, dst) = merged_between_result_and_accumulator(
+        "cuda", role, masked, 4, 1000, 128)
+    assert M._use_triton(dst, lse, dst, lse, src)  # (the Triton merge ran)
+    assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(lse, want_lse)
     assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
 
 
