@@ -7,7 +7,10 @@ one copy of each of its ranges (few ranges; an index_select beyond `MAX_RANGES`)
 lands on float32 accumulators, (B, L, H, Dv) and lse (B, H, L), with one merge per launch (a
 slice; a window with a row mask where the kernel read rows lying apart in place; or
 gather/merge/scatter when the rows are scattered); dK/dV are added the same way (gathered: range
-by range, a key two sequences share getting both shares, in a fixed order).
+by range, a key two sequences share getting both shares, in a fixed order). Where a pass's first
+launch writes the results itself, the later launches' merges and dQ adds go by each row's role
+(`Landing`): straight into the result for a row one of them reaches, through float32 only
+between the first and the last of several, in one launch each (exec/merge.py land_merge_).
 
 Why ranges and not index tensors: rows form is a transposed view, and an index_select or
 index_add_ along its first dim runs a strided gather/scatter kernel; on one H100, for a 64K-token
