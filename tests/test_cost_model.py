@@ -372,6 +372,34 @@ def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_
     assert summary["kernel_model_within_5pct"] >= kernel_within_5, summary
 
 
+def test_one_build_chooses_the_rings_steps_once(docs, monkeypatch):
+    """With strategy="auto" and ring_steps_per_launch="auto" a route build chooses the ring's steps
+    per launch once: the cost model's choice (for its ranking) is the one the ring's route takes
+    (_Problem.ring_choices, which lives for one build: a new document structure every batch is a
+    new build). Another build, other plans or another kernel choose anew. (On CPU "auto" takes the
+    exchange policy, not the cost model: here it takes the model, on the meta device's kernels.)"""
+    calls = []
+    choose = route._ring_choice_of
+    monkeypatch.setattr(route, "_ring_choice_of", lambda *a: calls.append(a[1].name) or choose(*a))
+    monkeypatch.setattr(route, "strategy_candidates", lambda req, q, k, v, args, problem:
+                        ("ring",) + tuple(s for s in route.auto_order(q, k, v, args, problem)[0] if s != "ring"))
+    monkeypatch.setattr(route, "predicted_target", lambda q, machine: None)
+    with dtcp.config.override(ring_steps_per_launch="auto"):
+        q, k, v, args, cu = meta_call(8, "balanced", docs)
+        built = route._build(q, k, v, args, cu, _Group(8), None, False)
+        assert built[0] == "ring" and len(calls) == 1, (built, calls)
+        route._build(q, k, v, args, cu, _Group(8), None, False)  # a new build
+        assert len(calls) == 2, calls
+        problem = route._problem(q, args, cu, _Group(8), None)
+        plans, kernel = route._plans_and_kernel("ring", problem.layout, q, k, v, args, problem.row_segments, 8, False)
+        memo = {}
+        first = route._ring_choice(plans, kernel, q, k, v, 8, memo)
+        assert route._ring_choice(plans, kernel, q, k, v, 8, memo) is first and len(calls) == 3
+        route._ring_choice(plans, KERNELS["fa4"], q, k, v, 8, memo)  # another kernel
+        route._ring_choice([dataclasses.replace(p) for p in plans], kernel, q, k, v, 8, memo)  # equal, not the same
+        assert len(calls) == 5 and calls[-2:] == ["fa4", kernel.name], calls
+
+
 def test_auto_steps_per_launch_against_one_h100():
     """dtcp.config.ring_steps_per_launch = "auto" (exec/route.py ring_steps) on the points
     measured on one H100 at G = 1, 4 and one group of every round (bench_split, FA4, 32/8 heads,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -246,6 +246,10 @@ class _Problem:
     world_size: int  # N
     cp_rank: int  # ring rank * U + ulysses rank on a 2-D mesh
     head_group_size: int  # U of a 2-D mesh, else 0
+    # the ring's steps per launch as this build chose them ({(plans' ids, kernel): (plans, the
+    # choice)}): "auto" predicts them for its strategy choice and the ring's route takes them,
+    # computed once per build (a new document structure is a new build every batch)
+    ring_choices: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def has_documents(self) -> bool:
@@ -302,7 +306,7 @@ def _build(q, k, v, args: CallArgs, cu_values, state: GroupState, head_state: Op
             if strategy == "ring":
                 plans, kernel = _plans_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
                                                   problem.world_size, sinks)
-                size = ring_steps(plans, kernel, q, k, v, problem.world_size)
+                size = ring_steps(plans, kernel, q, k, v, problem.world_size, problem.ring_choices)
                 return strategy, strategy, None, plans[problem.cp_rank], kernel, size
             if strategy == "allgather":
                 plan, kernel = _plan_and_kernel(strategy, problem.layout, q, k, v, args, problem.row_segments,
@@ -444,7 +448,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
             continue
         kernels[strategy] = kernel.name
         if strategy == "ring":  # (its launches as the executors run them, at the size they take)
-            ring_fields = _ring_choice(plans, kernel, q, k, v, n)[1]
+            ring_fields = _ring_choice(plans, kernel, q, k, v, n, problem.ring_choices)[1]
             continue
         launches[strategy] = max(_launches(plan, kernel)[0] for plan in plans)
     allowed = list(kernels)
@@ -567,19 +571,32 @@ def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
 GROUP_GAIN = 0.10
 
 
-def ring_steps(plans, kernel: Kernel, q, k, v, n: int) -> int:
+def ring_steps(plans, kernel: Kernel, q, k, v, n: int, memo: Optional[dict] = None) -> int:
     """The ring's received blocks per launch for this call (exec/grouped.py): the setting
     dtcp.config.ring_steps_per_launch, or for "auto" the size of 4 or all the plan's rounds (one
     group) that the cost model predicts fastest for the rank that takes longest, where it beats
     step by step by GROUP_GAIN, else 1. `plans`: every rank's (each a RingPlan, or one per batch row).
-    Deterministic over the plans, which every rank builds alike: every rank gets the same size."""
+    Deterministic over the plans, which every rank builds alike: every rank gets the same size.
+    `memo`: one build's (_Problem.ring_choices), where the cost model may have chosen it already."""
     setting = config.ring_steps_per_launch
-    return setting if setting != "auto" else _ring_choice(plans, kernel, q, k, v, n)[0]
+    return setting if setting != "auto" else _ring_choice(plans, kernel, q, k, v, n, memo)[0]
 
 
-def _ring_choice(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
+def _ring_choice(plans, kernel: Kernel, q, k, v, n: int, memo: Optional[dict] = None) -> tuple[int, dict]:
     """(ring_steps, its `_ring_launch_fields`): the fields the choice was predicted with, for the
-    cost model's CallShape."""
+    cost model's CallShape. `memo`: a dict that lives for one route build (the same q, k, v and
+    settings), so the cost model's choice and the route's are one computation; keyed by the plans'
+    identity and the kernel."""
+    if memo is None:
+        return _ring_choice_of(plans, kernel, q, k, v, n)
+    key = (tuple(map(id, plans)), kernel.name)
+    hit = memo.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], plans)):
+        hit = memo[key] = (tuple(plans), _ring_choice_of(plans, kernel, q, k, v, n))
+    return hit[1]
+
+
+def _ring_choice_of(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
     setting = config.ring_steps_per_launch
     if setting != "auto":
         return setting, _ring_launch_fields(plans, kernel, setting, q, k, v)
