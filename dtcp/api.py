@@ -254,6 +254,19 @@ def flash_attn_varlen_func(
     return (out, lse[0]) if return_lse else out
 
 
+def op_layout(layout: Layout, cu_seqlens=None) -> tuple[str, Optional[tuple[int, ...]]]:
+    """(the layout's spec as the op receives it, the document boundaries as numbers or None): a
+    Balanced layout's documents (or, for Balanced(), the call's `cu_seqlens`), a DocZigzag's own
+    boundaries, else the call's. What `explain` predicts with, and tests/sim_ranks.py builds
+    simulated ranks' routes with."""
+    if isinstance(layout, Balanced):  # its documents, or (Balanced()) the call's
+        cu = layout.cu_seqlens if layout.carries_documents else cu_seqlens
+        return layout.op_spec(), None if cu is None else tuple(torch.as_tensor(cu).tolist())
+    if isinstance(layout, DocZigzag):
+        return layout.name, tuple(layout.cu_seqlens.tolist())
+    return layout.spec(), None if cu_seqlens is None else tuple(torch.as_tensor(cu_seqlens).tolist())
+
+
 def explain(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -282,13 +295,7 @@ def explain(
     n, cp_rank = cp_size_and_rank_of(ring_pg, head_pg)
     u = group_size(head_pg) if head_pg is not None else 0
     left, right = resolve_window(window_size, layout, is_causal)
-    if isinstance(layout, Balanced):  # its documents, or (Balanced()) the call's
-        cu = layout.cu_seqlens if layout.carries_documents else cu_seqlens
-        layout_spec, cu_values = layout.op_spec(), None if cu is None else tuple(cu.tolist())
-    elif isinstance(layout, DocZigzag):
-        layout_spec, cu_values = layout.name, tuple(layout.cu_seqlens.tolist())
-    else:
-        layout_spec, cu_values = layout.spec(), None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    layout_spec, cu_values = op_layout(layout, cu_seqlens)
     args = CallArgs("", layout_spec, bool(is_causal), default_scale(q.shape[-1]), "auto", left, right, "auto")
     choice, preds = _explain(q, k, v, args, cu_values, n, cp_rank, u, cp_rank % u if u else 0, backward=backward)
     why = "" if not preds or preds[0].strategy == choice else \

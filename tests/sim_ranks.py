@@ -128,7 +128,7 @@ def simulated_ulysses(layout, n, q, k, v, dout, kernel, *, is_causal=True, windo
     would not take `kernel` for these shapes."""
     from types import SimpleNamespace
 
-    import dtcp
+    from dtcp.api import op_layout
     from dtcp.exec import route as R
     from dtcp.exec import ulysses as ul
 
@@ -136,12 +136,7 @@ def simulated_ulysses(layout, n, q, k, v, dout, kernel, *, is_causal=True, windo
     local_len = s // n
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     cu = None if docs is None else tuple([0] + [sum(docs[:i + 1]) for i in range(len(docs))])
-    if isinstance(layout, dtcp.Balanced):  # (as dtcp.explain derives the op's arguments)
-        spec = layout.op_spec()
-    elif isinstance(layout, dtcp.DocZigzag):
-        spec, cu = layout.name, tuple(layout.cu_seqlens.tolist())
-    else:
-        spec = layout.spec()
+    spec, cu = op_layout(layout, cu)  # (as dtcp.explain derives the op's arguments)
     args = R.CallArgs("", spec, is_causal, scale, kernel.name, window[0], window[1], "ulysses")
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
