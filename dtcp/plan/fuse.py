@@ -333,8 +333,10 @@ def later_keys(steps, returned: tuple[int, int]) -> tuple[int, int]:
 #: launch that reaches those rows, the first of several, one between, the last
 ONLY, FIRST, MID, LAST = 0, 1, 2, 3
 #: a pass routes its later launches' rows run by run (`row_runs`) only where no launch has more runs
-#: than this; more, and the runs' tensor ops cost the host more than the float32 passes they save
-#: (a DocZigzag step's launch holds ~100 ranges), so the hull goes through float32 instead
+#: than this, else the hull goes through float32. Set for the first, run-by-run form (a tensor op
+#: per run: a DocZigzag step's launch holds ~100 ranges); on CUDA one launch now lands any number of
+#: runs (exec/merge.py land_merge_), and only the CPU / no-Triton path pays per run. Raising it for
+#: CUDA is unmeasured.
 MAX_RUNS = 8
 
 
