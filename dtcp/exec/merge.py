@@ -86,6 +86,18 @@ def _use_triton(out_acc, lse_acc, out_blk, lse_blk, out_src=None) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _lse_weights(lse_old, lse_blk):
+        """Per row (float32): the running result's and the block's weights in the merged result,
+        and the merged lse; rows where both lse are -inf get weights 0 and lse -inf."""
+        m = tl.maximum(lse_old, lse_blk)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_old = tl.exp(lse_old - m)
+        w_blk = tl.exp(lse_blk - m)
+        total = w_old + w_blk
+        inv = tl.where(total > 0, 1.0 / total, 0.0)
+        return w_old * inv, w_blk * inv, m + tl.log(total)
+
+    @triton.jit
     def _merge_kernel(
         out_ptr, lse_ptr, blk_ptr, blk_lse_ptr, src_ptr,
         H, L, D,
@@ -105,12 +117,7 @@ if triton is not None:
 
         lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=rmask, other=float("-inf"))
         lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=rmask, other=float("-inf")).to(tl.float32)
-        m = tl.maximum(lse_old, lse_blk)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w_old = tl.exp(lse_old - m)
-        w_blk = tl.exp(lse_blk - m)
-        total = w_old + w_blk
-        inv = tl.where(total > 0, 1.0 / total, 0.0)
+        w_old, w_blk, new_lse = _lse_weights(lse_old, lse_blk)
 
         o_ptrs = out_ptr + b * so_b + h * so_h + rows[:, None] * so_l + cols[None, :]
         s_ptrs = src_ptr + b * ss_b + h * ss_h + rows[:, None] * ss_l + cols[None, :]
@@ -119,9 +126,9 @@ if triton is not None:
         ob = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
         # One explicit fma: the compiler would otherwise contract o * a + ob * b either way
         # depending on the source's dtype, and a bf16 source must give a float32 one's bits.
-        o = tl.fma(o, (w_old * inv)[:, None], ob * (w_blk * inv)[:, None])
+        o = tl.fma(o, w_old[:, None], ob * w_blk[:, None])
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, m + tl.log(total), mask=rmask)
+        tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, new_lse, mask=rmask)
 
     def _merge_triton(out_acc, lse_acc, out_blk, lse_blk, rows_used=None, out_src=None):
         src = out_acc if out_src is None else out_src
@@ -224,12 +231,7 @@ if triton is not None:
 
         lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=act, other=float("-inf"))
         lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=act, other=float("-inf")).to(tl.float32)
-        m = tl.maximum(lse_old, lse_blk)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w_old = tl.exp(lse_old - m)
-        w_blk = tl.exp(lse_blk - m)
-        total = w_old + w_blk
-        inv = tl.where(total > 0, 1.0 / total, 0.0)
+        w_old, w_blk, new_lse = _lse_weights(lse_old, lse_blk)
 
         a_ptrs = acc_ptr + b * sa_b + h * sa_h + rows[:, None] * sa_l + cols[None, :]
         r_ptrs = res_ptr + b * sr_b + h * sr_h + rows[:, None] * sr_l + cols[None, :]
@@ -238,10 +240,10 @@ if triton is not None:
         o_acc = tl.load(a_ptrs, mask=mask & (from_res == 0)[:, None], other=0.0).to(tl.float32)
         o = tl.where(from_res[:, None], o_res, o_acc)
         ob = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
-        o = tl.fma(o, (w_old * inv)[:, None], ob * (w_blk * inv)[:, None])  # (as _merge_kernel)
+        o = tl.fma(o, w_old[:, None], ob * w_blk[:, None])  # (as _merge_kernel)
         tl.store(r_ptrs, o.to(res_ptr.dtype.element_ty), mask=mask & to_res[:, None])
         tl.store(a_ptrs, o.to(acc_ptr.dtype.element_ty), mask=mask & (to_res == 0)[:, None])
-        tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, m + tl.log(total), mask=act)
+        tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, new_lse, mask=act)
 
     @triton.jit
     def _land_add_kernel(
