@@ -285,6 +285,10 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     # s0 and long-tailed documents at 128K on Balanced; the ring within 1.8% of Ulysses on Pareto,
     # the fastest on the other two (Ulysses 1.6x and 1.3x slower with its all-to-alls)
     ("strategies_4xh100_2026-11-27c.json", None, 3, 3),
+    # 2x H100 with the real transfers, the tip of 2026-11-27 (tenth session), on a fresh machine:
+    # causal zigzag and the three Balanced mixes, all at 128K; the ring the fastest on the mixes
+    # (Ulysses 1.1-2.3x slower), 3.7% behind Ulysses on causal
+    ("strategies_2xh100_2026-11-27e.json", None, 4, 4),
 ])
 def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
