@@ -534,3 +534,48 @@ def test_grouped_first_launch_writes_the_results_directly(n, spec, docs, size, h
         assert r["grouped"] and all(r["bitwise"]), r
         assert r["dtypes"][0] == "torch.bfloat16" and r["dtypes"][1] == "torch.float32", r
     assert any(r["direct"] for r in results), results
+
+
+def _landings_built(spec, docs, size, calls):
+    """ring_attention in groups of `size`, `calls` times with the same documents (bf16, the math
+    kernel taking one-launch steps with gaps): how many Landings (row_runs) were built, and whether
+    this rank's pass wrote its results directly (it then lands its group launches by role)."""
+    import dtcp.exec.fused as fused_mod
+    from dtcp.kernels.math import MathKernel
+    built = []
+    row_runs = fused_mod.row_runs
+    fused_mod.row_runs = lambda *a: built.append(1) or row_runs(*a)
+    dtcp.exec.route.clear_routes()
+    MathKernel.varlen_one_launch = MathKernel.varlen_gaps = True
+    try:
+        layout = dtcp.layout_from_spec(spec)
+        g = torch.Generator().manual_seed(3)
+        full = [torch.randn(1, h, sum(docs), 16, generator=g).to(torch.bfloat16) for h in (4, 2, 2, 4)]
+        with dtcp.config.override(ring_steps_per_launch=size):
+            for _ in range(calls):
+                local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
+                out = dtcp.ring_attention(*local, layout=layout, is_causal=True, enable_gqa=True, strategy="ring",
+                                          backend="math")
+                out.backward(layout.shard(full[3], dim=2))
+        from test_ring_one_launch import _the_route
+        route = _the_route()
+        fused = fused_mod.fused_steps(route.plan, route.kernel, torch.device("cpu"))
+        direct = fused is not None and fused_mod.fills_rows(fused[0], sum(docs) // dist.get_world_size())
+        return {"built": len(built), "direct": direct}
+    finally:
+        fused_mod.row_runs = row_runs
+        MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
+        dtcp.exec.route.clear_routes()
+
+
+def test_grouped_ring_builds_its_landing_once_per_plan():
+    """The grouped ring's Landing (which rows each group launch lands where, and their roles on
+    the device) is built once per plan, not per call and pass: the grouped ring builds the tuple
+    of its launch sites anew every call, and a Landing keyed by that tuple was built again at every
+    call, forward and backward, copying its roles to the device each time (a copy from host
+    memory that waits for the GPU: on one H100 78 ms of host a forward where the work took 8).
+    Three calls, forward and backward: one build on a rank whose pass writes directly."""
+    results = run_ranks(4, _landings_built, "balanced@1:40,3,3,2,9,7", (40, 3, 3, 2, 9, 7), 2, 3)
+    assert any(r["direct"] for r in results), results
+    for r in results:
+        assert r["built"] == (1 if r["direct"] else 0), results

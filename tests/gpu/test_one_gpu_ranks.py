@@ -282,3 +282,41 @@ def test_launch_into_strided_results_equals_a_fresh_launch(backend, hkv):
             assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
         for x in into + [lse_into]:  # the other batch row untouched
             assert (x[1 - b] == 7.0).all()
+
+
+SYNC_CASES = [  # (bench_split case, layout, world size, ring steps per launch)
+    ("causal-32k", "zigzag", 8, 1),
+    ("causal-32k", "zigzag", 8, 7),
+    ("lognormal-s1", "balanced", 8, 1),
+    ("lognormal-s1", "balanced", 8, 7),
+    ("pareto-s1", "balanced", 4, 3),
+    ("pareto-s0", "doczigzag", 4, 1),
+]
+
+
+@pytest.mark.parametrize("case,layout,n,size", SYNC_CASES, ids=str)
+def test_a_ring_pass_never_waits_for_the_device(case, layout, n, size):
+    """Once a plan's index tensors exist, a ring rank's forward and backward queue their work and
+    return without waiting for the device (torch.cuda.set_sync_debug_mode("error") raises at any
+    synchronizing call: a copy from host memory, .item(), a blocking copy back). One such wait per
+    launch made the grouped ring's host time 78 ms a forward (benchmarks/bench_split.py, one H100):
+    the host could no longer run ahead of the kernels, nor a training step's other layers.
+    Every rank of bench_split's simulated ranks (their real plans, kernels and launches), 1/4 of
+    the lengths, in groups and step by step."""
+    import bench_split as B
+    cases = {c.name: c for c in B.build_cases(0.25)}
+    point = B.make_point(cases[case], layout, 32, 8, 128, n, "fa4")
+    with dtcp.config.override(ring_steps_per_launch=size):
+        jobs = B.rank_jobs(point, "ring", torch.device("cuda"), torch.bfloat16)
+        assert jobs and all(job.route.steps_per_launch == size for job in jobs)
+        with B.local_collectives():
+            for job in jobs:
+                fwd, bwd = B.job_passes(job, torch.device("cuda"), torch.bfloat16, D ** -0.5)
+                bwd(fwd())  # (first use: the plan's launches and their index tensors are made)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    bwd(fwd())
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
