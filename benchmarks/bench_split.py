@@ -38,7 +38,8 @@ all before the device starts: `Timer.device_pass`), for the rank slowest on the 
   device      = (one device / N) / slowest rank's device time (host gaps left out: split_device)
   kern eff    = its attention calls against the one-device call's rate on the same work
   other ms    = its device time outside the attention calls (dtcp's merges, adds, copies, fills)
-  host ms     = its host time to queue the pass; bound "host" where that exceeds the device time
+  host ms     = its host time to queue the pass; bound "host" where that exceeds the device time,
+                "sync" where the pass waits for the device (a synchronizing call inside it)
 
 Auto check: for every (case, heads, N, layout), the strategy `strategy="auto"` would pick (the
 cost model's ranking, `dtcp.exec.route.explain`, which `dtcp.explain` calls; on CUDA with CUDA
@@ -548,7 +549,7 @@ class Timer:
                     wall = (time.perf_counter() - t0) * 1e3
                 rows.append((wall, wall, sum(spent)))
         else:
-            rows = []
+            rows, last = [], None
             sleep_ms = None
             for _ in range(reps * 3):
                 spent = []
@@ -563,12 +564,19 @@ class Timer:
                     host = (time.perf_counter() - t0) * 1e3
                 b.record()
                 b.synchronize()
+                last = (a.elapsed_time(b), host, sum(e0.elapsed_time(e1) for e0, e1 in spent))
                 if sleep_ms is None or host > 0.8 * sleep_ms:  # (re)size the sleep: 2x the host's time + 2 ms
                     sleep_ms = 2 * host + 2.0
                     continue
-                rows.append((a.elapsed_time(b), host, sum(e0.elapsed_time(e1) for e0, e1 in spent)))
+                rows.append(last)
                 if len(rows) == reps:
                     break
+            if not rows:
+                # The host never got ahead of a sleep twice its own time: the pass waits for the
+                # device (a synchronizing call inside it), so its host time is the sleep's plus
+                # its own. Reported as such, with the last run's figures (device_ms then
+                # includes the host's gaps).
+                return dict(device_ms=last[0], host_ms=last[1], kernel_ms=last[2], host_waits=True)
         dev, host, kern = (statistics.median(col) for col in zip(*rows))
         return dict(device_ms=dev, host_ms=host, kernel_ms=kern)
 
@@ -866,7 +874,8 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
                          (1.0 = as fast per pair as the whole sequence in one call)
       other_ms           its device time outside the attention calls (merges, adds, copies, fills)
       host_ms            its host time to queue the pass; bound = "host" where the slowest rank's
-                         host time exceeds its device time, else "device"."""
+                         host time exceeds its device time, "sync" where a rank's pass waits for
+                         the device (Timer.device_pass: host_waits), else "device"."""
     slow = max(jobs_res, key=lambda r: r["device_ms"])
     wall = max(jobs_res, key=lambda r: r["ms"])
     share = slow["work"] / total_work if total_work else 1.0 / n
@@ -880,7 +889,8 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
         slowest_device_ms=slow["device_ms"], split_device=(one_device / n) / slow["device_ms"],
         device_rank=slow["rank"], kernel_ms=slow["kernel_ms"], other_ms=slow["device_ms"] - slow["kernel_ms"],
         host_ms=slow["host_ms"], kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
-        bound="host" if wall["host_ms"] > wall["device_ms"] else "device",
+        bound="sync" if any(r.get("host_waits") for r in jobs_res)
+        else "host" if wall["host_ms"] > wall["device_ms"] else "device",
     )
 
 
