@@ -452,6 +452,55 @@ def test_auto_steps_per_launch_against_one_h100():
     assert picks[("causal-32k", 4)] == picks[("pareto-s0", 4)] == 1  # gains under GROUP_GAIN at N = 4
 
 
+def test_auto_steps_per_launch_against_one_h100_after_the_landing_fix():
+    """The ring at G = 1 and at "auto"'s size, measured on one H100 in one run after the grouped
+    ring stopped waiting for the device at its group launches (bench_split, FA4, 32/8 heads,
+    Balanced long-tailed mixes and causal 32K zigzag, N = 4, 8, 16:
+    benchmarks/results/split_h100_2026-11-27k_G1/_Gauto.json.gz). This checkout's "auto" takes
+    the size measured at all 15 points; it is within 5% of the faster of the two at 14 (G = 1
+    everywhere: 8). It groups at 9 points: faster at 7 (causal 32K N = 16 13.37 -> 7.83 ms), slower
+    at Pareto s1 N = 8 (+3.9%) and log-normal s1 N = 16 (+6.4%, the miss)."""
+    import gzip
+    import json
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import bench_split as B
+    finally:
+        sys.path.remove(bench)
+    from dtcp.exec import route as R
+    from dtcp.kernels import Target
+
+    measured: dict = {}
+    for setting in ("G1", "Gauto"):
+        with gzip.open(os.path.join(bench, "results", f"split_h100_2026-11-27k_{setting}.json.gz"), "rt") as f:
+            for p in json.load(f)["points"]:
+                measured.setdefault((p["case"], p["layout"], p["world_size"]), {})[setting] = \
+                    (p["steps_per_launch"], p["slowest_ms"])
+    assert len(measured) == 15
+    cases = {c.name: c for c in B.build_cases(1.0)}
+    within = g1_within = grouped = faster = 0
+    for (case, layout, n), got in sorted(measured.items()):
+        point = B.make_point(cases[case], layout, 32, 8, 128, n, "auto")
+        q = torch.empty(1, 32, point.local_len, 128, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, 8, point.local_len, 128, device="meta", dtype=torch.bfloat16)
+        problem = R._problem(q, point.args, point.cu_values, B._Group(n, 0), None)
+        plans, kernel = R._plans_and_kernel("ring", problem.layout, q, k, k, point.args, problem.row_segments, n,
+                                            False, Target("cuda", (9, 0)))
+        with dtcp.config.override(ring_steps_per_launch="auto"):
+            size = R.ring_steps(plans, kernel, q, k, k, n)
+        (g1_size, g1_ms), (auto_size, auto_ms) = got["G1"], got["Gauto"]
+        assert g1_size == 1 and size == auto_size, (case, n, size, auto_size)
+        best = min(g1_ms, auto_ms)
+        within += auto_ms <= 1.05 * best
+        g1_within += g1_ms <= 1.05 * best
+        grouped += size > 1
+        faster += size > 1 and auto_ms < g1_ms
+    assert (within, g1_within, grouped, faster) == (14, 8, 9, 7)
+
+
 def test_explain_shows_the_rings_steps_per_launch():
     """With ring_steps_per_launch="auto", the ring's prediction is the pass at the size the route
     would take (ring_steps), and says it: causal 32K over 16 ranks (where one H100 measured groups
