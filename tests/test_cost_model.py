@@ -302,13 +302,7 @@ def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     of run "b", were measured with Balanced's previous local order (every run in global order),
     whose plans this checkout no longer builds (the JSONs stay as the record)."""
     import os
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        import bench_strategies
-    finally:
-        sys.path.remove(bench)
+    bench_strategies, bench = _benchmark("bench_strategies")
     rows = [row for row in bench_strategies.replay(os.path.join(bench, "results", name))
             if masks is None or row["mask"] in masks]
     assert len(rows) == points
@@ -363,13 +357,7 @@ def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_
     and every miss of the full pick is the ring chosen over a Ulysses whose compute is faster and
     whose all-to-alls the model charges (one GPU cannot check those)."""
     import os
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        import bench_split
-    finally:
-        sys.path.remove(bench)
+    bench_split, bench = _benchmark()
     summary = bench_split.replay(os.path.join(bench, "results", name))["auto_summary"]
     assert summary["points"] == points and summary["left_out_placed_otherwise"] == left_out, summary
     assert summary["within_5pct"] >= within_5, summary
@@ -404,6 +392,35 @@ def test_one_build_chooses_the_rings_steps_once(docs, monkeypatch):
         assert len(calls) == 5 and calls[-2:] == ["fa4", kernel.name], calls
 
 
+def _benchmark(name: str = "bench_split"):
+    """benchmarks/<name>.py as a module, and the benchmarks folder (its results)."""
+    import importlib
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module(name), bench
+    finally:
+        sys.path.remove(bench)
+
+
+def _auto_ring_size(B, case, layout: str, n: int) -> tuple[int, int]:
+    """(ring_steps_per_launch="auto"'s size, the plan's rounds) for bench_split's `case` (32/8
+    heads, D = 128, 1 row) over n ranks, as an H100 with FA4 would take it (meta tensors)."""
+    from dtcp.exec import route as R
+    from dtcp.kernels import Target
+    point = B.make_point(case, layout, 32, 8, 128, n, "auto")
+    q = torch.empty(1, 32, point.local_len, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 8, point.local_len, 128, device="meta", dtype=torch.bfloat16)
+    problem = R._problem(q, point.args, point.cu_values, B._Group(n, 0), None)
+    plans, kernel = R._plans_and_kernel("ring", problem.layout, q, k, k, point.args, problem.row_segments, n,
+                                        False, Target("cuda", (9, 0)))
+    assert kernel.name == "fa4"
+    with dtcp.config.override(ring_steps_per_launch="auto"):
+        return R.ring_steps(plans, kernel, q, k, k, n), plans[0].num_rounds
+
+
 def test_auto_steps_per_launch_against_one_h100():
     """dtcp.config.ring_steps_per_launch = "auto" (exec/route.py ring_steps) on the points
     measured on one H100 at G = 1, 4 and one group of every round (bench_split, FA4, 32/8 heads,
@@ -414,16 +431,7 @@ def test_auto_steps_per_launch_against_one_h100():
     pieces of one long document: imbalance 1.86, which groups do not help)."""
     import json
     import os
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        import bench_split as B
-    finally:
-        sys.path.remove(bench)
-    from dtcp.exec import route as R
-    from dtcp.kernels import Target
-
+    B, bench = _benchmark()
     with open(os.path.join(bench, "results", "split_h100_2026-11-27_groups.json")) as f:
         points = json.load(f)["points"]
     measured: dict = {}
@@ -432,16 +440,7 @@ def test_auto_steps_per_launch_against_one_h100():
     cases = {c.name: c for c in B.build_cases(1.0)}
     within, g1_within, picks = 0, 0, {}
     for (case, layout, n), ms in sorted(measured.items()):
-        point = B.make_point(cases[case], layout, 32, 8, 128, n, "auto")
-        q = torch.empty(1, 32, point.local_len, 128, device="meta", dtype=torch.bfloat16)
-        k = torch.empty(1, 8, point.local_len, 128, device="meta", dtype=torch.bfloat16)
-        problem = R._problem(q, point.args, point.cu_values, B._Group(n, 0), None)
-        plans, kernel = R._plans_and_kernel("ring", problem.layout, q, k, k, point.args, problem.row_segments, n,
-                                            False, Target("cuda", (9, 0)))
-        assert kernel.name == "fa4"
-        with dtcp.config.override(ring_steps_per_launch="auto"):
-            size = R.ring_steps(plans, kernel, q, k, k, n)
-        rounds = plans[0].num_rounds
+        size, rounds = _auto_ring_size(B, cases[case], layout, n)
         measured_as = 1 if size == 1 else (16 if size == rounds else 4)
         assert size in (1, min(4, rounds), rounds), size
         best = min(ms.values())
@@ -463,16 +462,7 @@ def test_auto_steps_per_launch_against_one_h100_after_the_landing_fix():
     import gzip
     import json
     import os
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        import bench_split as B
-    finally:
-        sys.path.remove(bench)
-    from dtcp.exec import route as R
-    from dtcp.kernels import Target
-
+    B, bench = _benchmark()
     measured: dict = {}
     for setting in ("G1", "Gauto"):
         with gzip.open(os.path.join(bench, "results", f"split_h100_2026-11-27k_{setting}.json.gz"), "rt") as f:
@@ -483,14 +473,7 @@ def test_auto_steps_per_launch_against_one_h100_after_the_landing_fix():
     cases = {c.name: c for c in B.build_cases(1.0)}
     within = g1_within = grouped = faster = 0
     for (case, layout, n), got in sorted(measured.items()):
-        point = B.make_point(cases[case], layout, 32, 8, 128, n, "auto")
-        q = torch.empty(1, 32, point.local_len, 128, device="meta", dtype=torch.bfloat16)
-        k = torch.empty(1, 8, point.local_len, 128, device="meta", dtype=torch.bfloat16)
-        problem = R._problem(q, point.args, point.cu_values, B._Group(n, 0), None)
-        plans, kernel = R._plans_and_kernel("ring", problem.layout, q, k, k, point.args, problem.row_segments, n,
-                                            False, Target("cuda", (9, 0)))
-        with dtcp.config.override(ring_steps_per_launch="auto"):
-            size = R.ring_steps(plans, kernel, q, k, k, n)
+        size, _ = _auto_ring_size(B, cases[case], layout, n)
         (g1_size, g1_ms), (auto_size, auto_ms) = got["G1"], got["Gauto"]
         assert g1_size == 1 and size == auto_size, (case, n, size, auto_size)
         best = min(g1_ms, auto_ms)
