@@ -98,6 +98,21 @@ if triton is not None:
         return w_old * inv, w_blk * inv, m + tl.log(total)
 
     @triton.jit
+    def _tile(H, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's (batch row, head, rows, cols) of a (B * H, cdiv(L, BLOCK_L)) grid."""
+        bh = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        return bh // H, bh % H, rows, tl.arange(0, BLOCK_D)
+
+    @triton.jit
+    def _row_weights(lse_ptr, blk_lse_ptr, b, h, rows, active, sl_b, sl_h, sl_l, sbl_b, sbl_h, sbl_l):
+        """_lse_weights of the `active` rows' running and block lse (others read as -inf)."""
+        lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=active, other=float("-inf"))
+        lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=active,
+                          other=float("-inf")).to(tl.float32)
+        return _lse_weights(lse_old, lse_blk)
+
+    @triton.jit
     def _merge_kernel(
         out_ptr, lse_ptr, blk_ptr, blk_lse_ptr, src_ptr,
         H, L, D,
@@ -105,19 +120,14 @@ if triton is not None:
         sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l, used_ptr,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_USED: tl.constexpr,
     ):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-        cols = tl.arange(0, BLOCK_D)
+        b, h, rows, cols = _tile(H, BLOCK_L, BLOCK_D)
         rmask = rows < L
         if HAS_USED:  # rows left out are neither read nor written
             rmask = rmask & (tl.load(used_ptr + rows, mask=rmask, other=0) != 0)
         mask = rmask[:, None] & (cols[None, :] < D)
 
-        lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=rmask, other=float("-inf"))
-        lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=rmask, other=float("-inf")).to(tl.float32)
-        w_old, w_blk, new_lse = _lse_weights(lse_old, lse_blk)
+        w_old, w_blk, new_lse = _row_weights(lse_ptr, blk_lse_ptr, b, h, rows, rmask,
+                                             sl_b, sl_h, sl_l, sbl_b, sbl_h, sbl_l)
 
         o_ptrs = out_ptr + b * so_b + h * so_h + rows[:, None] * so_l + cols[None, :]
         s_ptrs = src_ptr + b * ss_b + h * ss_h + rows[:, None] * ss_l + cols[None, :]
@@ -217,11 +227,7 @@ if triton is not None:
         sa_b, sa_h, sa_l, sr_b, sr_h, sr_l, sl_b, sl_h, sl_l, sb_b, sb_h, sb_l, sbl_b, sbl_h, sbl_l,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-        cols = tl.arange(0, BLOCK_D)
+        b, h, rows, cols = _tile(H, BLOCK_L, BLOCK_D)
         role = tl.load(role_ptr + rows, mask=rows < L, other=4)
         act = (rows < L) & (role < 4)
         from_res = (role == 0) | (role == 1)
@@ -229,9 +235,8 @@ if triton is not None:
         cmask = cols[None, :] < D
         mask = act[:, None] & cmask
 
-        lse_old = tl.load(lse_ptr + b * sl_b + h * sl_h + rows * sl_l, mask=act, other=float("-inf"))
-        lse_blk = tl.load(blk_lse_ptr + b * sbl_b + h * sbl_h + rows * sbl_l, mask=act, other=float("-inf")).to(tl.float32)
-        w_old, w_blk, new_lse = _lse_weights(lse_old, lse_blk)
+        w_old, w_blk, new_lse = _row_weights(lse_ptr, blk_lse_ptr, b, h, rows, act,
+                                             sl_b, sl_h, sl_l, sbl_b, sbl_h, sbl_l)
 
         a_ptrs = acc_ptr + b * sa_b + h * sa_h + rows[:, None] * sa_l + cols[None, :]
         r_ptrs = res_ptr + b * sr_b + h * sr_h + rows[:, None] * sr_l + cols[None, :]
