@@ -289,6 +289,17 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     # causal zigzag and the three Balanced mixes, all at 128K; the ring the fastest on the mixes
     # (Ulysses 1.1-2.3x slower), 3.7% behind Ulysses on causal
     ("strategies_2xh100_2026-11-27e.json", None, 4, 4),
+    # The whole grid with the real transfers (twelfth session, ring step by step): every mask at 32K
+    # and 128K, heads 32/8 and 32/32, on one 4x H100 machine at 4 ranks and then at 2. The misses
+    # are all at 32K, where a call is host-bound: 4 ranks, 32/32 documents (zigzag and Balanced),
+    # Ulysses 8% and 18% faster than the ring taken; 2 ranks, 32/8 causal (the all-gather taken,
+    # 6.8% slower than the ring), documents and Pareto (the ring taken, 14% and 7% slower than the
+    # all-gather).
+    ("strategies_4xh100_2026-11-27g.json", None, 24, 22),
+    ("strategies_2xh100_2026-11-27g.json", None, 24, 21),
+    # The 32K half again on a second 4x H100 machine: the same code's wall times moved by up to 21%
+    # (the ring on Pareto 32/8: 9.26 -> 11.24 ms), and auto was within 5% at 7 of 12 (10 of 12 above)
+    ("strategies_4xh100_2026-11-27h.json", None, 12, 7),
 ])
 def test_measured_two_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
