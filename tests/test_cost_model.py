@@ -304,14 +304,15 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
 def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
     on measured runs with the real transfers (2x and 4x H100, FA4, 2026-11-26 and 27), for the
-    points whose layout this checkout still places as it was measured. Runs "c" and "d" (packed documents on Balanced at 32K, 64K and
-    128K; "d" with varlen gaps, on another machine) were taken with this local order: auto within
-    5% of the best at 7 and 6 of 9 points at run time, and so replayed. The misses are at 32K,
-    where an all-gather is 1.1-1.2x faster than the ring and the model has them within 0.5 ms,
-    less than the calibration moves between two runs on one machine (its fixed host cost of a
-    ring call: 3.15 ms, then 2.58 ms). Of the first run only the causal (zigzag) points count: its
-    Balanced points, and all of run "b", were measured with Balanced's previous local order (every run in global order),
-    whose plans this checkout no longer builds (the JSONs stay as the record)."""
+    points whose layout this checkout still places as it was measured. Runs "c" and "d" of the
+    2x H100 (packed documents on Balanced at 32K, 64K and 128K; "d" with varlen gaps, on another
+    machine) were taken with this local order: auto within 5% of the best at 7 and 6 of 9 points
+    at run time, and so replayed. The misses are at 32K, where an all-gather is 1.1-1.2x faster
+    than the ring and the model has them within 0.5 ms, less than the calibration moves between
+    two runs on one machine (its fixed host cost of a ring call: 3.15 ms, then 2.58 ms). Of the
+    first run only the causal (zigzag) points count: its Balanced points, and all of run "b", were
+    measured with Balanced's previous local order (every run in global order), whose plans this
+    checkout no longer builds (the JSONs stay as the record)."""
     import os
     bench_strategies, bench = _benchmark("bench_strategies")
     rows = [row for row in bench_strategies.replay(os.path.join(bench, "results", name))
