@@ -17,6 +17,7 @@ nothing reads the environment or a module global on the hot path.
 | `merge` | "auto" | `DTCP_MERGE` | LSE merge: "auto" (fused Triton kernel on CUDA), "triton", "torch" |
 | `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
+| `cost_objective` | "call" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included) or "device" (its device time alone: for training steps whose other layers keep the GPUs busy while the host runs ahead) |
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
@@ -35,6 +36,7 @@ from typing import Iterator, Union
 _CHOICES = {
     "transport": ("auto", "ce", "nccl"),
     "merge": ("auto", "triton", "torch"),
+    "cost_objective": ("call", "device"),
 }
 
 
@@ -66,6 +68,7 @@ class Config:
     varlen_gaps: bool = True
     ring_steps_per_launch: Union[int, str] = 1
     cost_machine: object = None
+    cost_objective: str = "call"
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
@@ -84,6 +87,8 @@ class Config:
         cfg.high_priority_ring = _env_bool("DTCP_HIGH_PRIORITY_RING", cfg.high_priority_ring)
         if "DTCP_MERGE" in os.environ:
             cfg.merge = os.environ["DTCP_MERGE"].strip().lower()
+        if "DTCP_COST_OBJECTIVE" in os.environ:
+            cfg.cost_objective = os.environ["DTCP_COST_OBJECTIVE"].strip().lower()
         if "DTCP_RING_STEPS_PER_LAUNCH" in os.environ:
             value = os.environ["DTCP_RING_STEPS_PER_LAUNCH"].strip().lower()
             cfg.ring_steps_per_launch = value if value == "auto" else int(value)

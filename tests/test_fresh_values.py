@@ -145,6 +145,38 @@ def test_route_cache_is_bounded():
         assert routes == 256
 
 
+def route_follows_the_cost_settings():
+    """One call signature under other cost settings (what strategy="auto" and the ring's steps per
+    launch are chosen by): each is a route of its own, built and agreed anew; the first settings
+    again find their route."""
+    import dataclasses
+
+    from dtcp.comm import state_of
+    from dtcp.exec.route import clear_routes
+    from dtcp.plan import MACHINES
+
+    clear_routes()
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+
+    def call() -> int:
+        dtcp.ring_attention(q, q, q, layout="zigzag", is_causal=True)
+        return len(state_of(dist.group.WORLD).routes)
+
+    counts = [call()]
+    with dtcp.config.override(cost_objective="device"):
+        counts.append(call())
+    with dtcp.config.override(cost_machine=dataclasses.replace(MACHINES["h200-nvlink"], latency_s=1e-3)):
+        counts.append(call())
+    counts.append(call())
+    clear_routes()
+    return counts
+
+
+def test_route_follows_the_cost_settings():
+    for counts in run_ranks(2, route_follows_the_cost_settings):
+        assert counts == [1, 2, 3, 3], counts
+
+
 # ---- process groups destroyed and created again --------------------------------------------------
 
 def recreated_groups(store_dir: str):

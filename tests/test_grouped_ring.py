@@ -350,10 +350,11 @@ def test_ranks_that_differ_on_the_setting_raise():
         assert r["seconds"] < 10, r
 
 
-def machines_that_differ():
+def machines_that_differ(setting: str = "cost_machine"):
     """ring_steps_per_launch="auto" with the cost model's constants set on rank 0 only (a machine
-    whose launches cost nothing, where groups gain nothing): rank 0 would run step by step and the
-    others in groups. Every rank raises at once, naming what differs."""
+    whose launches cost nothing, where groups gain nothing), or its objective (the device's time
+    alone: no launch costs the host anything): rank 0 would run step by step and the others in
+    groups. Every rank raises at once, naming what differs."""
     import dataclasses
     import time
     from dtcp.exec import route as route_mod
@@ -371,7 +372,9 @@ def machines_that_differ():
                                launch_host_s=())
     start = time.perf_counter()
     try:
-        with dtcp.config.override(ring_steps_per_launch="auto", cost_machine=free if dist.get_rank() == 0 else None):
+        rank0 = {"cost_machine": free, "cost_objective": "device"}[setting]
+        others = {"cost_machine": None, "cost_objective": "call"}[setting]
+        with dtcp.config.override(ring_steps_per_launch="auto", **{setting: rank0 if dist.get_rank() == 0 else others}):
             dtcp.ring_attention(q, q.clone(), q.clone(), layout=layout, is_causal=True, strategy="ring", backend="math")
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
@@ -381,10 +384,11 @@ def machines_that_differ():
     return {"error": None}
 
 
-def test_ranks_whose_cost_constants_differ_raise():
-    for r in run_ranks(4, machines_that_differ):
+@pytest.mark.parametrize("setting", ["cost_machine", "cost_objective"])
+def test_ranks_whose_cost_constants_differ_raise(setting):
+    for r in run_ranks(4, machines_that_differ, setting):
         assert r["error"] is not None and "ring steps per launch" in r["error"], r
-        assert "cost_machine" in r["error"] and r["seconds"] < 10, r
+        assert setting in r["error"] and r["seconds"] < 10, r
 
 
 # ---- one rank fails inside a group ---------------------------------------------------------------------

@@ -162,7 +162,8 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     sinks_shape = None if sinks is None else tuple(sinks.shape)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
-           args.head_group_name, args.chunk_size, config.ring_steps_per_launch)
+           args.head_group_name, args.chunk_size, config.ring_steps_per_launch, config.cost_machine,
+           config.cost_objective)  # (what auto's picks depend on: a new value is a new route)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -180,11 +181,12 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
             s.guard.agree(what, signature, status=f"{type(e).__name__}: {e}")
         raise
     # What the build chose from the cost model (strategy="auto", ring_steps_per_launch="auto") must
-    # be the same on every rank too: ranks whose constants differ (dtcp.config.cost_machine set on
-    # some ranks only) would otherwise run different schedules and wait on each other.
+    # be the same on every rank too: ranks whose constants or objective differ (dtcp.config.cost_machine
+    # or cost_objective set on some ranks only) would otherwise run different schedules and wait on
+    # each other.
     signature = dict(signature, **{
-        "strategy chosen (dtcp.config.cost_machine)": strategy,
-        "ring steps per launch (dtcp.config.ring_steps_per_launch, dtcp.config.cost_machine)": str(size)})
+        "strategy chosen (dtcp.config.cost_machine, cost_objective)": strategy,
+        "ring steps per launch (dtcp.config.ring_steps_per_launch, cost_machine, cost_objective)": str(size)})
     _agree(guards, what, signature)
     if strategy == "ulysses":
         head_state = state  # the 1-D group exchanges heads; nothing moves after
@@ -474,7 +476,8 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
                       **ring_fields, allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
-                      ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()))
+                      ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
+                      host_hidden=config.cost_objective == "device")
     return shape, allowed
 
 
@@ -613,7 +616,7 @@ def _ring_choice_of(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
     base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                      ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
-                     kernels=(("ring", kernel.name),))
+                     kernels=(("ring", kernel.name),), host_hidden=config.cost_objective == "device")
     fields = {size: _ring_launch_fields(plans, kernel, size, q, k, v) for size in sorted({1, min(4, rounds), rounds})}
     predicted = {size: predict("ring", replace(base, **f), machine).total_s for size, f in fields.items()}
     best = min(sorted(predicted), key=lambda size: predicted[size])  # (ties: the smaller size)

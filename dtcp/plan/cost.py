@@ -31,9 +31,11 @@ ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves v
 Copies that reorder tokens or heads are charged at `memory_bytes_per_s`, and each strategy's host
 cost per call (`fixed_s`, measured by dtcp.calibrate on a small call) is added: on 2 H200s the
 measured times of short calls were the sum of the two, not the larger (the calls do not hide their
-host time behind their device time). The constants of a
-machine are a `Machine`: `MACHINES` has measured defaults; `dtcp.calibrate()` measures the one it
-runs on. The model ranks strategies; it is checked against measurements by
+host time behind their device time). With `CallShape.host_hidden` (`dtcp.config.cost_objective =
+"device"`: a training step whose other layers keep the GPUs busy while the host runs ahead) no
+host time counts, neither per launch nor per call: the model ranks the device's time alone. The
+constants of a machine are a `Machine`: `MACHINES` has measured defaults; `dtcp.calibrate()`
+measures the one it runs on. The model ranks strategies; it is checked against measurements by
 benchmarks/bench_strategies.py (docs/strategies.md).
 """
 
@@ -140,6 +142,9 @@ class CallShape:
     # backward, and its dK/dV shares (0 for the ring step by step)
     ring_copy_bytes: float = 0
     ring_steps_per_launch: int = 1  # received blocks per launch (exec/grouped.py; 1: step by step)
+    # The host runs ahead of the device (dtcp.config.cost_objective = "device": a training step whose
+    # other layers keep the GPU busy): host time per launch and per call is hidden, the device's counts
+    host_hidden: bool = False
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
@@ -197,12 +202,15 @@ def plan_pairs(tasks) -> int:
 
 
 def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: Optional[str] = None,
-              backward: bool = True, extra_host_s: float = 0.0) -> float:
+              backward: bool = True, extra_host_s: float = 0.0, host_hidden: bool = False) -> float:
     """Kernel time of `flops` in calls of `rows` query rows x heads x batch each; `extra_host_s`:
-    host seconds per call (forward + backward) beyond the kernel's launch (a ring step's)."""
+    host seconds per call (forward + backward) beyond the kernel's launch (a ring step's);
+    `host_hidden`: the device's time alone (CallShape.host_hidden)."""
     peak = machine.rate_of(kernel)
     rate = peak * rows / (rows + machine.kernel_half_rows) if rows > 0 else 1.0
     device = flops / rate + calls * machine.launch_s * (2 if backward else 1)
+    if host_hidden:
+        return device
     # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
     # is the larger (many small calls: documents, short sequences; FA4's Python launches).
     host = machine.host_of(kernel, backward) + extra_host_s * (1.0 if backward else 0.4)
@@ -221,7 +229,7 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
     `acc_bytes`: its fused steps' accumulator traffic (CallShape.ring_acc_bytes); `copy_bytes`:
     its groups' copies (CallShape.ring_copy_bytes)."""
     kernel = _kernel_s(machine, _flops(shape, heads, pairs), q_block * heads * shape.batch, calls, kernel_name,
-                       shape.backward, machine.ring_launch_host_s)
+                       shape.backward, machine.ring_launch_host_s, shape.host_hidden)
     # Fused steps merge into float32 accumulators over the rank's rows: device memory traffic on
     # the kernels' stream (out/lse in the forward over Dv, dQ in the backward over D). On 2 H100s
     # with FA4, without this term the model put the ring 1.4-1.7 ms under its measured time at 32K
@@ -261,19 +269,19 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
                                              shape.ring_acc_bytes, shape.ring_copy_bytes)
         g = shape.ring_steps_per_launch
         note = f"{g} received blocks a launch (dtcp.config.ring_steps_per_launch)" if g > 1 else ""
-        return Prediction("ring", total + machine.fixed_of("ring"), kernel, comm, exposed, note,
+        return Prediction("ring", total + _fixed(machine, "ring", shape), kernel, comm, exposed, note,
                           kernel=shape.kernel_of("ring"), launches=shape.ring_calls)
     if strategy == "allgather":
         kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs),
                            shape.local_len * shape.q_heads * b, shape.allgather_calls, shape.kernel_of("allgather"),
-                           shape.backward)
+                           shape.backward, host_hidden=shape.host_hidden)
         kv = b * shape.kv_heads * shape.local_len * (d + dv)
         comm = machine.latency_s + (n - 1) * kv * e / machine.collective_bytes_per_s
         copies = 2 * n * kv * e / machine.memory_bytes_per_s  # the gathered K/V put in global order (one copy)
         if shape.backward:
             comm += machine.latency_s + (n - 1) * kv * 4 / machine.collective_bytes_per_s
             copies += 2 * n * kv * 4 / machine.memory_bytes_per_s  # float32 dK/dV summed into the send buffer
-        fixed = machine.fixed_of("allgather")
+        fixed = _fixed(machine, "allgather", shape)
         return Prediction("allgather", kernel + comm + copies + fixed, kernel, comm, comm + copies,
                           kernel=shape.kernel_of("allgather"), launches=shape.allgather_calls)
     if strategy in HEAD_STRATEGIES:
@@ -298,8 +306,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         if strategy == "ulysses":
             kernel = _kernel_s(machine, _flops(shape, shape.q_heads / u, shape.total_pairs),
                                n * l_len * shape.q_heads / u * b / shape.ulysses_calls, shape.ulysses_calls,
-                               shape.kernel_of("ulysses"), shape.backward)
-            fixed = machine.fixed_of("ulysses")
+                               shape.kernel_of("ulysses"), shape.backward, host_hidden=shape.host_hidden)
+            fixed = _fixed(machine, "ulysses", shape)
             return Prediction("ulysses", kernel + comm + copies + fixed, kernel, comm, comm + copies,
                               kernel=shape.kernel_of("ulysses"), launches=shape.ulysses_calls)
         r = n // u
@@ -312,10 +320,17 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
             across, shape, max(1, kv_heads_sent // u), kv_len, shape.q_heads / u, shape.hybrid_pairs,
             shape.hybrid_rounds, shape.hybrid_calls, u * l_len, shape.kernel_of("hybrid"))  # (accumulators not counted)
         note = f"ulysses {u} x ring {r}"
-        return Prediction("hybrid", ring_total + comm + copies + machine.fixed_of("hybrid"), kernel, comm + ring_comm,
+        fixed = _fixed(machine, "hybrid", shape)
+        return Prediction("hybrid", ring_total + comm + copies + fixed, kernel, comm + ring_comm,
                           comm + copies + ring_exposed, note, kernel=shape.kernel_of("hybrid"),
                           launches=shape.hybrid_calls)
     raise ValueError(f"predict: unknown strategy {strategy!r}")
+
+
+def _fixed(machine: Machine, strategy: str, shape: CallShape) -> float:
+    """A call's host seconds beyond its kernels and transfers (Machine.fixed_s); none when the
+    host runs ahead (CallShape.host_hidden)."""
+    return 0.0 if shape.host_hidden else machine.fixed_of(strategy)
 
 
 def rank(strategies, shape: CallShape, machine: Machine) -> list[Prediction]:
