@@ -16,6 +16,13 @@ and the packed batches layout="auto" shards with `Balanced`: "docs-balanced" (th
 "pareto" and "lognormal" (bench_split.py's long-tailed mixes, seed 0: Pareto lengths with a 64-token
 floor, and a log-normal fitted to English Wikipedia's token lengths). `--masks`, `--lengths` and
 `--heads` narrow the grid (e.g. `--masks docs-balanced pareto lognormal --lengths 32768 131072`).
+
+`--host-hidden` also times each call with its host hidden: every rank queues it behind a GPU sleep
+of the same length (agreed by all ranks, longer than any rank's host takes to queue the call) and
+an all-reduce that lets the GPUs leave the sleep together. That is the call's device time, what it
+costs in a training step whose other layers keep the GPUs busy while the host runs ahead; the
+plain measurement is an isolated call's, where the host's time to queue it counts too. Both are
+printed (device / host ms per strategy) and judged against auto's pick.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,6 +73,64 @@ def measure(fn, iters: int) -> float:
     return t.item()
 
 
+def _agreed(value: float, op) -> float:
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+_CYCLES_PER_MS: list = []
+
+
+def _cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond on this GPU (measured once)."""
+    if not _CYCLES_PER_MS:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles)  # (a first call may be slower)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        _CYCLES_PER_MS.append(cycles / max(a.elapsed_time(b), 1e-3))
+    return _CYCLES_PER_MS[0]
+
+
+def measure_hidden(fn, iters: int, wall_s: float) -> tuple[float, float]:
+    """(device seconds, host seconds) of one call with its host hidden, the slowest rank's
+    medians. Every rank queues the call behind a GPU sleep of the same length, then an
+    all-reduce of one number (the GPUs leave the sleep together), so the call runs on devices
+    that are already fed: what it costs inside a training step whose other layers keep the GPUs
+    busy while the host runs ahead. The sleep is agreed by all ranks and grown (2x the slowest
+    host + 2 ms) until every rank's host finishes queuing before it ends."""
+    sleep_ms = 2 * wall_s * 1e3 + 2.0
+    one = torch.zeros(1, device="cuda")
+    rows = []
+    for _ in range(iters * 4):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
+        dist.all_reduce(one)  # a device-side barrier at the sleep's end
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        b.record()
+        b.synchronize()
+        slowest_host = _agreed(host_ms, dist.ReduceOp.MAX)
+        if slowest_host > 0.8 * sleep_ms:  # some rank's host was not ahead: a longer sleep
+            sleep_ms = 2 * slowest_host + 2.0
+            continue
+        rows.append((a.elapsed_time(b) / 1e3, host_ms / 1e3))
+        if len(rows) == iters:
+            break
+    if len(rows) < iters:  # (the same on every rank: the decisions are agreed)
+        raise RuntimeError(f"the host never got ahead of a {sleep_ms:.1f} ms sleep: the call waits for the device")
+    device, host = (statistics.median(col) for col in zip(*rows))
+    return _agreed(device, dist.ReduceOp.MAX), _agreed(host, dist.ReduceOp.MAX)
+
+
 MASKS = ("causal", "window", "docs", "docs-balanced", "pareto", "lognormal")
 BALANCED = ("docs-balanced", "pareto", "lognormal")  # packed documents on the Balanced layout
 
@@ -90,7 +156,7 @@ def mask_call(mask: str, s: int):
     return (dtcp.Balanced(lens) if mask in BALANCED else dtcp.Zigzag()), (-1, 0), cu
 
 
-def point(s, hq, hkv, mask, device, iters, n, rank):
+def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
     layout, window, cu = mask_call(mask, s)
     kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
     if mask == "window":
@@ -108,7 +174,7 @@ def point(s, hq, hkv, mask, device, iters, n, rank):
     lines = explained.splitlines()
     pick = lines[0].split()[2]
     predicted = {ln.split()[0]: float(ln.split()[2]) / 1e3 for ln in lines[1:]}
-    measured = {}
+    measured, hidden = {}, {}
     for strategy in STRATEGIES:
         if strategy not in predicted:
             continue
@@ -120,12 +186,17 @@ def point(s, hq, hkv, mask, device, iters, n, rank):
 
         try:
             measured[strategy] = measure(step, iters)
+            if host_hidden:
+                hidden[strategy] = measure_hidden(step, iters, measured[strategy])
         except Exception as e:  # noqa: BLE001 - a strategy the kernels cannot serve: say so, go on
             if rank == 0:
                 print(f"  {strategy} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     del q, k, v, dout
     torch.cuda.empty_cache()
-    return {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick}
+    row = {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick}
+    if host_hidden:
+        row.update(device={k: d for k, (d, _) in hidden.items()}, host={k: h for k, (_, h) in hidden.items()})
+    return row
 
 
 def replay(path: str) -> list[dict]:
@@ -156,15 +227,19 @@ def replay(path: str) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict]) -> str:
+def summary(rows: list[dict], times: str = "measured") -> str:
+    """auto's picks against `times`: "measured" (each call alone, from a barrier: its wall time)
+    or "device" (--host-hidden: each call behind a sleep, its host hidden)."""
+    rows = [row for row in rows if row.get(times)]
     ratios, errors = [], []
     for row in rows:
-        best = min(row["measured"].values())
-        ratios.append(row["measured"].get(row["pick"], float("inf")) / best)
-        errors += [abs(row["predicted"][k] - t) / t for k, t in row["measured"].items() if k in row["predicted"]]
+        best = min(row[times].values())
+        ratios.append(row[times].get(row["pick"], float("inf")) / best)
+        errors += [abs(row["predicted"][k] - t) / t for k, t in row[times].items() if k in row["predicted"]]
     within = sum(r <= 1.05 for r in ratios)
-    return (f"auto within 5% of the best at {within} of {len(ratios)} points ({within / len(ratios):.0%}); worst "
-            f"pick/best {max(ratios):.3f}; prediction error median {statistics.median(errors):.0%}, worst {max(errors):.0%}")
+    return (f"auto within 5% of the best {times} time at {within} of {len(ratios)} points "
+            f"({within / len(ratios):.0%}); worst pick/best {max(ratios):.3f}; prediction error median "
+            f"{statistics.median(errors):.0%}, worst {max(errors):.0%}")
 
 
 def print_row(row: dict) -> None:
@@ -175,6 +250,13 @@ def print_row(row: dict) -> None:
     hq, hkv = row["heads"].split("/")
     print(f"S={row['S']:>6} heads {hq:>2}/{hkv:<2} {row['mask']:<13} | {cells} | best {best:<9} auto {row['pick']:<9} "
           f"x{ratio:.3f}", flush=True)
+    if row.get("device"):  # --host-hidden: device / host time of each
+        best = min(row["device"], key=row["device"].get)
+        cells = "  ".join(f"{k} {row['device'][k] * 1e3:8.2f} / {row['host'][k] * 1e3:6.2f}"
+                          for k in STRATEGIES if k in row["device"])
+        ratio = row["device"].get(row["pick"], float("inf")) / row["device"][best]
+        print(f"{'  host hidden: device / host ms':<43}| {cells} | best {best:<9} auto {row['pick']:<9} x{ratio:.3f}",
+              flush=True)
 
 
 def main():
@@ -185,6 +267,8 @@ def main():
         for row in rows:
             print_row(row)
         print("\n(replayed with this checkout's cost model) " + summary(rows))
+        if any(row.get("device") for row in rows):
+            print("(replayed with this checkout's cost model) " + summary(rows, "device"))
         return
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a small grid (smoke test)")
@@ -194,6 +278,8 @@ def main():
     p.add_argument("--masks", nargs="+", choices=MASKS, default=None, help="default: causal window docs")
     p.add_argument("--lengths", nargs="+", type=int, default=None)
     p.add_argument("--heads", nargs="+", default=None, help="q/kv pairs, e.g. 32/8 32/32")
+    p.add_argument("--host-hidden", action="store_true",
+                   help="also time each call with its host hidden (behind a GPU sleep on every rank): its device time")
     args = p.parse_args()
     device = init_distributed("cuda")
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -211,12 +297,14 @@ def main():
         grid += [(524288, h, "window") for h in heads]
     rows = []
     for s, (hq, hkv), mask in grid:
-        row = point(s, hq, hkv, mask, device, args.iters, n, rank)
+        row = point(s, hq, hkv, mask, device, args.iters, n, rank, args.host_hidden)
         rows.append(row)
         if rank == 0:
             print_row(row)
     if rank == 0:
         print("\n" + summary(rows))
+        if args.host_hidden:
+            print(summary(rows, "device"))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows}, f, indent=1)
