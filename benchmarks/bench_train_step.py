@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 benchmarks/bench_train_step.py --dim 4096 --ffn 14336 --heads 32/8 --json out.json
     python benchmarks/bench_train_step.py --replay out.json    # this checkout's picks, same measurements
+    torchrun --nproc-per-node 2 benchmarks/bench_train_step.py --device cpu --dim 64 --ffn 128 --heads 4/2 \
+        --head-dim 16 --seq 2048 --layers 1 --iters 1       # CPU smoke run (gloo, float32; no calibration)
 
 `bench_strategies.py` times each attention call alone. Inside a training step the other layers'
 matmuls keep the GPUs busy while the host queues work ahead, so a call's host time (the ring's
@@ -37,40 +39,39 @@ import dtcp  # noqa: E402
 from bench_strategies import STRATEGIES, documents_of  # noqa: E402
 
 OBJECTIVES = ("call", "device")
-HEAD_DIM = 128
 
 
 class Layer(nn.Module):
     """One decoder layer: QKV projection, attention (a callable on (B, H, L, D) tensors), output
     projection and a gated MLP, with residuals (no norms: they cost every strategy the same)."""
 
-    def __init__(self, dim: int, ffn: int, q_heads: int, kv_heads: int):
+    def __init__(self, dim: int, ffn: int, q_heads: int, kv_heads: int, head_dim: int):
         super().__init__()
-        self.q_heads, self.kv_heads = q_heads, kv_heads
-        self.qkv = nn.Linear(dim, (q_heads + 2 * kv_heads) * HEAD_DIM, bias=False)
-        self.o = nn.Linear(q_heads * HEAD_DIM, dim, bias=False)
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.qkv = nn.Linear(dim, (q_heads + 2 * kv_heads) * head_dim, bias=False)
+        self.o = nn.Linear(q_heads * head_dim, dim, bias=False)
         self.up = nn.Linear(dim, 2 * ffn, bias=False)
         self.down = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x, attention):  # x: (B, L, dim)
         b, l, _ = x.shape
-        heads = self.qkv(x).view(b, l, self.q_heads + 2 * self.kv_heads, HEAD_DIM).transpose(1, 2)
+        heads = self.qkv(x).view(b, l, self.q_heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
         q, k, v = heads.split([self.q_heads, self.kv_heads, self.kv_heads], dim=1)
         x = x + self.o(attention(q, k, v).transpose(1, 2).reshape(b, l, -1))
         gate, up = self.up(x).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
-def picks(layout, q_heads: int, kv_heads: int, n: int, seq: int) -> dict:
+def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int) -> dict:
     """What strategy="auto" takes for this call under each objective (the cost model's ranking,
     dtcp.exec.route.explain, as dtcp.explain gives it, on meta tensors of rank 0's shapes, with
     dtcp.config.cost_machine: calibrated at the start, or the replayed run's)."""
     from dtcp.exec import route
     from dtcp.kernels import default_scale
 
-    q = torch.empty(1, q_heads, seq // n, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, kv_heads, seq // n, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-    args = route.CallArgs("", layout.op_spec(), True, default_scale(HEAD_DIM), "auto", -1, 0, "auto")
+    q = torch.empty(1, q_heads, seq // n, head_dim, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, kv_heads, seq // n, head_dim, dtype=torch.bfloat16, device="meta")
+    args = route.CallArgs("", layout.op_spec(), True, default_scale(head_dim), "auto", -1, 0, "auto")
     cu = [0]
     for length in layout.doc_lens:
         cu.append(cu[-1] + length)
@@ -100,10 +101,10 @@ def step_times(layers, x0, layout, enable_gqa: bool, iters: int) -> dict:
             runs = []
             for _ in range(iters):
                 dist.barrier()
-                torch.cuda.synchronize()
+                _sync(x0.device)
                 t0 = time.perf_counter()
                 step()
-                torch.cuda.synchronize()
+                _sync(x0.device)
                 runs.append(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - a strategy the kernels or heads cannot serve: say so, go on
             if dist.get_rank() == 0:
@@ -113,6 +114,11 @@ def step_times(layers, x0, layout, enable_gqa: bool, iters: int) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times[strategy] = t.item()
     return times
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def print_row(row: dict) -> None:
@@ -146,7 +152,8 @@ def replay(path: str) -> list[dict]:
         for row in run["rows"]:
             q_heads, kv_heads = (int(x) for x in row["heads"].split("/"))
             layout = dtcp.Balanced(documents_of(row["mask"], row["seq"]))
-            rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, run["world_size"], row["seq"])))
+            rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, row.get("head_dim", 128), run["world_size"],
+                                              row["seq"])))
     return rows
 
 
@@ -156,7 +163,9 @@ def main():
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", default="32/8", help="query/key-value heads (head dim 128)")
+    p.add_argument("--heads", default="32/8", help="query/key-value heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo, float32 (a smoke run)")
     p.add_argument("--seq", type=int, default=32768, help="tokens of the packed batch, over all ranks")
     p.add_argument("--masks", nargs="+", default=["pareto", "lognormal", "docs-balanced"])
     p.add_argument("--iters", type=int, default=5)
@@ -168,25 +177,28 @@ def main():
             print_row(row)
         print("\n(replayed with this checkout's cost model) " + summary(rows))
         return
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    device = torch.device("cuda", torch.cuda.current_device())
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
     n, rank = dist.get_world_size(), dist.get_rank()
-    machine = dtcp.calibrate()
+    machine = dtcp.calibrate() if cuda else dtcp.config.cost_machine  # (CPU: the shipped constants)
     if rank == 0:
-        print(f"calibrated: {machine}", flush=True)
+        print(f"calibrated: {machine}" if cuda else "(cpu: the shipped cost constants)", flush=True)
     q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
     torch.manual_seed(0)
-    layers = nn.ModuleList(Layer(args.dim, args.ffn, q_heads, kv_heads) for _ in range(args.layers))
-    layers = layers.to(device, torch.bfloat16)
-    local_len = args.seq // n
-    x0 = torch.randn(1, local_len, args.dim, device=device, dtype=torch.bfloat16)
+    layers = nn.ModuleList(Layer(args.dim, args.ffn, q_heads, kv_heads, args.head_dim) for _ in range(args.layers))
+    layers = layers.to(device, dtype)
+    x0 = torch.randn(1, args.seq // n, args.dim, device=device, dtype=dtype)
     rows = []
     for mask in args.masks:
         layout = dtcp.Balanced(documents_of(mask, args.seq))
-        row = dict(mask=mask, dim=args.dim, ffn=args.ffn, layers=args.layers, heads=args.heads, seq=args.seq,
+        row = dict(mask=mask, dim=args.dim, ffn=args.ffn, layers=args.layers, heads=args.heads,
+                   head_dim=args.head_dim, seq=args.seq,
                    step_s=step_times(layers, x0, layout, q_heads != kv_heads, args.iters),
-                   picks=picks(layout, q_heads, kv_heads, n, args.seq))
+                   picks=picks(layout, q_heads, kv_heads, args.head_dim, n, args.seq))
         rows.append(row)
         if rank == 0:
             print_row(row)
@@ -194,7 +206,7 @@ def main():
         print("\n" + summary(rows))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": n, "machine": str(machine), "rows": rows}, f, indent=1)
+                json.dump({"world_size": n, "device": args.device, "machine": str(machine), "rows": rows}, f, indent=1)
     dist.destroy_process_group()
 
 
