@@ -287,7 +287,9 @@ def explain(
     Meta tensors stand for the GPU the cost model's machine describes: kernels are chosen as on
     CUDA with its compute capability (``Machine.compute_capability``), FlashAttention-4 counted
     as installed. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
-    else the shipped H200 NVLink figures. On CPU, "auto" takes the ring whatever the model says.
+    else the shipped H200 NVLink figures; the times are an isolated call's, or with
+    dtcp.config.cost_objective = "device" the device's alone (the report says which). On CPU,
+    "auto" takes the ring whatever the model says.
 
     Returns a multi-line report; its first line is ``auto -> <strategy>``."""
     layout = layout_from_spec(layout)
@@ -306,6 +308,8 @@ def explain(
         lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms "
                      f"on {p.kernel} x {p.launches} launches, communication {p.comm_s * 1e3:.3f} ms of which "
                      f"exposed {p.exposed_comm_s * 1e3:.3f} ms{'; ' + p.note if p.note else ''})")
+    if preds and config.cost_objective == "device":
+        lines.append("  (dtcp.config.cost_objective='device': the device's time alone, no host time counted)")
     if not preds:
         lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
     elif q.device.type == "meta":
