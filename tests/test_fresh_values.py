@@ -177,6 +177,30 @@ def test_route_follows_the_cost_settings():
         assert counts == [1, 2, 3, 3], counts
 
 
+def compiled_under_each_objective():
+    """A compiled call traces auto's pick (the traced all-gather where it is chosen): under
+    another cost objective it is traced again, and the first objective's graph is reused after."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q = torch.randn(1, 2, 8, 8)
+    fn = torch.compile(lambda q, k, v: dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, backend="math"),
+                       backend="aot_eager", fullgraph=True)
+    graphs = []
+    for objective in ("call", "device", "call"):
+        with dtcp.config.override(cost_objective=objective):
+            fn(q, q, q)
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_cost_objective_reaches_compiled_graphs():
+    for graphs in run_ranks(2, compiled_under_each_objective, timeout=300):
+        assert graphs == [1, 2, 2], graphs
+
+
 # ---- process groups destroyed and created again --------------------------------------------------
 
 def recreated_groups(store_dir: str):
