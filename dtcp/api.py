@@ -328,8 +328,9 @@ def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None,
     square causal block, the auto kernel at two block lengths, and each strategy's fixed host cost
     per call (a small call of each, less what the model predicts for it). The slowest rank's
     figures are kept, so every rank decides alike. Returns the `dtcp.plan.Machine`. `options`:
-    heads, head_dim, seq_len, transfer_bytes, repeats (dtcp/exec/calibrate.py). Routes built
-    before keep their strategy."""
+    heads, head_dim, seq_len, transfer_bytes, repeats (dtcp/exec/calibrate.py). Calls after it
+    build their routes anew (routes are keyed by the constants); a function compiled before keeps
+    what it traced: calibrate before compiling."""
     pg = resolve_cp_groups(group)[0]
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -477,8 +477,13 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                       **ring_fields, allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
-                      host_hidden=config.cost_objective == "device")
+                      host_hidden=_host_hidden())
     return shape, allowed
+
+
+def _host_hidden() -> bool:
+    """Does the cost model rank the device's time alone (dtcp.config.cost_objective)?"""
+    return config.cost_objective == "device"
 
 
 def _keys_per_round(build, layout, local_len: int, n: int, is_causal: bool, row_masks) -> float:
@@ -616,7 +621,7 @@ def _ring_choice_of(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
     base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                      ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
-                     kernels=(("ring", kernel.name),), host_hidden=config.cost_objective == "device")
+                     kernels=(("ring", kernel.name),), host_hidden=_host_hidden())
     fields = {size: _ring_launch_fields(plans, kernel, size, q, k, v) for size in sorted({1, min(4, rounds), rounds})}
     predicted = {size: predict("ring", replace(base, **f), machine).total_s for size, f in fields.items()}
     best = min(sorted(predicted), key=lambda size: predicted[size])  # (ties: the smaller size)
