@@ -14,7 +14,8 @@ rank: a linear QKV projection, `dtcp.ring_attention` (causal documents on `Balan
 and a gated MLP (`--ffn`), with residuals. The step's time, the slowest rank's median of `--iters`
 after two warm-ups, per strategy; then what `strategy="auto"` picks under each cost objective
 (`dtcp.explain` with the constants `dtcp.calibrate()` measured at the start): "call" (an isolated
-call's time, host included) and "device" (the device's alone). The batches are bench_split.py's
+call's time, host included) and "device" (the device's alone), and the step with
+`strategy="auto"` itself under each (its live route: the pick the ranks agree on). The batches are bench_split.py's
 long-tailed mixes (Pareto and log-normal, seed 0) and bench_strategies.py's documents, `--seq`
 tokens over all ranks. No optimizer step and no gradient all-reduce: they cost every strategy the
 same.
@@ -82,10 +83,10 @@ def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int) 
     return out
 
 
-def step_times(layers, x0, layout, enable_gqa: bool, iters: int) -> dict:
+def step_times(layers, x0, layout, enable_gqa: bool, iters: int, strategies=STRATEGIES) -> dict:
     """The step's time per strategy (the slowest rank's median), seconds."""
     times = {}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         def attention(q, k, v, strategy=strategy):
             return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=enable_gqa, strategy=strategy)
 
@@ -126,6 +127,7 @@ def print_row(row: dict) -> None:
     best = min(times, key=times.get)
     cells = "  ".join(f"{s} {t * 1e3:8.2f} ms" for s, t in times.items())
     chosen = "  ".join(f"auto ({o}) -> {row['picks'][o]} x{times.get(row['picks'][o], float('inf')) / times[best]:.3f}"
+                       + (f" (run: {row['auto_step_s'][o] * 1e3:.2f} ms)" if o in row.get("auto_step_s", {}) else "")
                        for o in OBJECTIVES)
     print(f"{row['mask']:<14} dim {row['dim']} ffn {row['ffn']} x{row['layers']} heads {row['heads']}: {cells} | "
           f"best {best} | {chosen}", flush=True)
@@ -199,6 +201,13 @@ def main():
                    head_dim=args.head_dim, seq=args.seq,
                    step_s=step_times(layers, x0, layout, q_heads != kv_heads, args.iters),
                    picks=picks(layout, q_heads, kv_heads, args.head_dim, n, args.seq))
+        # strategy="auto" itself, under each objective: its live route (the pick, agreed by the ranks)
+        row["auto_step_s"] = {}
+        for objective in OBJECTIVES:
+            with dtcp.config.override(cost_objective=objective):
+                got = step_times(layers, x0, layout, q_heads != kv_heads, args.iters, strategies=("auto",))
+            if "auto" in got:
+                row["auto_step_s"][objective] = got["auto"]
         rows.append(row)
         if rank == 0:
             print_row(row)

@@ -1,6 +1,7 @@
 """benchmarks/bench_train_step.py on CPU (2 gloo ranks, float32, tiny layers): every strategy that
-serves the batch gives a step time, auto's pick under each cost objective is recorded, and the
-replay of the JSON gives the same picks. Nothing is judged by time."""
+serves the batch gives a step time, auto's pick under each cost objective is recorded and
+strategy="auto" itself runs under each, and the replay of the JSON gives the same picks. Nothing
+is judged by time."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def test_cpu_smoke_run_and_replay(tmp_path):
         assert all(0 < t < math.inf for t in row["step_s"].values()), row
         assert set(row["picks"]) == {"call", "device"}, row
         assert set(row["picks"].values()) <= {"ring", "allgather", "ulysses"}, row
+        # strategy="auto" itself ran under each objective (on CPU its live route is the ring)
+        assert set(row["auto_step_s"]) == {"call", "device"}, row
+        assert all(0 < t < math.inf for t in row["auto_step_s"].values()), row
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import bench_train_step
