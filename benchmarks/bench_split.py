@@ -473,6 +473,23 @@ SHORT_RUNS_CAP = 8
 DEVICE_REPS = 3
 
 
+_CYCLES_PER_MS: list = []
+
+
+def sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond on this GPU (measured once; also bench_strategies')."""
+    if not _CYCLES_PER_MS:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles)  # (a first call may be slower)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        _CYCLES_PER_MS.append(cycles / max(a.elapsed_time(b), 1e-3))
+    return _CYCLES_PER_MS[0]
+
+
 class Timer:
     def __init__(self, device: torch.device, warmup: int, iters: int, point_seconds: float):
         self.cuda = device.type == "cuda"
@@ -555,7 +572,7 @@ class Timer:
                 spent = []
                 self._sync()
                 if sleep_ms is not None:
-                    torch.cuda._sleep(int(sleep_ms * self._cycles_per_ms()))
+                    torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms()))
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 with timing_calls(kernel, spent, cuda=True):
@@ -580,21 +597,6 @@ class Timer:
         dev, host, kern = (statistics.median(col) for col in zip(*rows))
         return dict(device_ms=dev, host_ms=host, kernel_ms=kern)
 
-    _CYCLES_PER_MS = None
-
-    @classmethod
-    def _cycles_per_ms(cls) -> float:
-        """torch.cuda._sleep's cycles per millisecond on this device (measured once)."""
-        if cls._CYCLES_PER_MS is None:
-            cycles = 20_000_000
-            torch.cuda._sleep(cycles)  # (a first call may be slower)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(cycles)
-            b.record()
-            b.synchronize()
-            cls._CYCLES_PER_MS = cycles / max(a.elapsed_time(b), 1e-3)
-        return cls._CYCLES_PER_MS
 
 
 def timing_calls(kernel, spent: list, cuda: bool):

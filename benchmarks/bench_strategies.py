@@ -79,23 +79,6 @@ def _agreed(value: float, op) -> float:
     return t.item()
 
 
-_CYCLES_PER_MS: list = []
-
-
-def _cycles_per_ms() -> float:
-    """torch.cuda._sleep's cycles per millisecond on this GPU (measured once)."""
-    if not _CYCLES_PER_MS:
-        cycles = 20_000_000
-        torch.cuda._sleep(cycles)  # (a first call may be slower)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(cycles)
-        b.record()
-        b.synchronize()
-        _CYCLES_PER_MS.append(cycles / max(a.elapsed_time(b), 1e-3))
-    return _CYCLES_PER_MS[0]
-
-
 def measure_hidden(fn, iters: int, wall_s: float) -> tuple[float, float]:
     """(device seconds, host seconds) of one call with its host hidden, the slowest rank's
     medians. Every rank queues the call behind a GPU sleep of the same length, then an
@@ -103,13 +86,15 @@ def measure_hidden(fn, iters: int, wall_s: float) -> tuple[float, float]:
     that are already fed: what it costs inside a training step whose other layers keep the GPUs
     busy while the host runs ahead. The sleep is agreed by all ranks and grown (2x the slowest
     host + 2 ms) until every rank's host finishes queuing before it ends."""
+    from bench_split import sleep_cycles_per_ms
+
     sleep_ms = 2 * wall_s * 1e3 + 2.0
     one = torch.zeros(1, device="cuda")
     rows = []
     for _ in range(iters * 4):
         dist.barrier()
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
+        torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms()))
         dist.all_reduce(one)  # a device-side barrier at the sleep's end
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
