@@ -40,15 +40,33 @@ _CHOICES = {
 }
 
 
-def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
+def _parse_bool(value: str) -> bool:
     if value.strip().lower() in ("1", "true", "yes", "on"):
         return True
     if value.strip().lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"environment variable {name}={value!r}: use 1 or 0")
+    raise ValueError("use 1 or 0")
+
+
+def _parse_steps(value: str) -> Union[int, str]:
+    value = value.strip().lower()
+    return value if value == "auto" else int(value)
+
+
+def _parse_choice(value: str) -> str:
+    return value.strip().lower()
+
+
+#: (environment variable, setting, parser): read once, by Config.from_env
+_ENVIRONMENT = (
+    ("DTCP_TIMEOUT", "timeout_s", float),
+    ("DTCP_CHECK_EVERY_CALL", "check_every_call", _parse_bool),
+    ("DTCP_TRANSPORT", "transport", _parse_choice),
+    ("DTCP_HIGH_PRIORITY_RING", "high_priority_ring", _parse_bool),
+    ("DTCP_MERGE", "merge", _parse_choice),
+    ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
+    ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
+)
 
 
 @dataclasses.dataclass
@@ -78,20 +96,17 @@ class Config:
 
     @classmethod
     def from_env(cls) -> "Config":
+        """The defaults, with the settings the environment sets (_ENVIRONMENT). A value that does
+        not parse or check raises ValueError naming the variable."""
         cfg = cls()
-        if "DTCP_TIMEOUT" in os.environ:
-            cfg.timeout_s = float(os.environ["DTCP_TIMEOUT"])
-        cfg.check_every_call = _env_bool("DTCP_CHECK_EVERY_CALL", cfg.check_every_call)
-        if "DTCP_TRANSPORT" in os.environ:
-            cfg.transport = os.environ["DTCP_TRANSPORT"].strip().lower()
-        cfg.high_priority_ring = _env_bool("DTCP_HIGH_PRIORITY_RING", cfg.high_priority_ring)
-        if "DTCP_MERGE" in os.environ:
-            cfg.merge = os.environ["DTCP_MERGE"].strip().lower()
-        if "DTCP_COST_OBJECTIVE" in os.environ:
-            cfg.cost_objective = os.environ["DTCP_COST_OBJECTIVE"].strip().lower()
-        if "DTCP_RING_STEPS_PER_LAUNCH" in os.environ:
-            value = os.environ["DTCP_RING_STEPS_PER_LAUNCH"].strip().lower()
-            cfg.ring_steps_per_launch = value if value == "auto" else int(value)
+        for variable, name, parse in _ENVIRONMENT:
+            raw = os.environ.get(variable)
+            if raw is None:
+                continue
+            try:
+                setattr(cfg, name, parse(raw))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"environment variable {variable}={raw!r} (dtcp.config.{name}): {e}") from None
         return cfg
 
     @contextlib.contextmanager
