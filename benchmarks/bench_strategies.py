@@ -184,28 +184,34 @@ def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
     return row
 
 
+def machine_of(run: dict):
+    """The calibrated constants a --json run recorded (a Machine's repr), or None (the shipped ones)."""
+    from dtcp.plan.cost import Machine
+
+    machine = run.get("machine", "None")
+    return eval(machine, {"Machine": Machine}) if machine.startswith("Machine(") else None  # noqa: S307 - our own repr
+
+
 def replay(path: str) -> list[dict]:
     """Re-judge a measured run (--json) with this checkout's cost model, no GPU: each point's
     call rebuilt on meta tensors (the run's world size, rank 0), predicted with the run's
     calibrated constants where its JSON holds them (else the shipped ones), auto's new pick
     against the same measured times."""
+    from dtcp.api import op_layout
     from dtcp.exec import route
     from dtcp.kernels import default_scale
-    from dtcp.plan.cost import Machine
 
     with open(path) as f:
         run = json.load(f)
     n = run["world_size"]
-    machine = run.get("machine", "None")
-    machine = eval(machine, {"Machine": Machine}) if machine.startswith("Machine(") else None  # noqa: S307 - our own repr
     rows = []
-    with dtcp.config.override(cost_machine=machine):
+    with dtcp.config.override(cost_machine=machine_of(run)):
         for row in run["rows"]:
             s, (hq, hkv), mask = row["S"], (int(x) for x in row["heads"].split("/")), row["mask"]
             q = torch.empty(1, hq, s // n, 128, dtype=torch.bfloat16, device="meta")
             k = torch.empty(1, hkv, s // n, 128, dtype=torch.bfloat16, device="meta")
             layout, window, cu = mask_call(mask, s)
-            spec = layout.op_spec() if isinstance(layout, dtcp.Balanced) else layout.spec()
+            spec, cu = op_layout(layout, cu)  # (as dtcp.explain derives the op's arguments)
             args = route.CallArgs("", spec, True, default_scale(128), "auto", window[0], window[1], "auto")
             pick, preds = route.explain(q, k, k, args, cu, n, 0)
             rows.append(dict(row, pick=pick, predicted={p.strategy: p.total_s for p in preds}))

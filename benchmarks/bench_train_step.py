@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtcp  # noqa: E402
-from bench_strategies import STRATEGIES, documents_of  # noqa: E402
+from bench_strategies import STRATEGIES, documents_of, machine_of  # noqa: E402
 
 OBJECTIVES = ("call", "device")
 
@@ -67,19 +67,18 @@ def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int) 
     """What strategy="auto" takes for this call under each objective (the cost model's ranking,
     dtcp.exec.route.explain, as dtcp.explain gives it, on meta tensors of rank 0's shapes, with
     dtcp.config.cost_machine: calibrated at the start, or the replayed run's)."""
+    from dtcp.api import op_layout
     from dtcp.exec import route
     from dtcp.kernels import default_scale
 
     q = torch.empty(1, q_heads, seq // n, head_dim, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, kv_heads, seq // n, head_dim, dtype=torch.bfloat16, device="meta")
-    args = route.CallArgs("", layout.op_spec(), True, default_scale(head_dim), "auto", -1, 0, "auto")
-    cu = [0]
-    for length in layout.doc_lens:
-        cu.append(cu[-1] + length)
+    spec, cu = op_layout(layout)  # (its documents: the spec and boundaries the op receives)
+    args = route.CallArgs("", spec, True, default_scale(head_dim), "auto", -1, 0, "auto")
     out = {}
     for objective in OBJECTIVES:
         with dtcp.config.override(cost_objective=objective):
-            out[objective] = route.explain(q, k, k, args, tuple(cu), n, 0)[0]
+            out[objective] = route.explain(q, k, k, args, cu, n, 0)[0]
     return out
 
 
@@ -144,13 +143,10 @@ def summary(rows: list[dict]) -> str:
 
 def replay(path: str) -> list[dict]:
     """Each row's picks again with this checkout's cost model and the run's calibrated constants."""
-    from dtcp.plan.cost import Machine
-
     with open(path) as f:
         run = json.load(f)
-    machine = eval(run["machine"], {"Machine": Machine})  # noqa: S307 - our own repr
     rows = []
-    with dtcp.config.override(cost_machine=machine):
+    with dtcp.config.override(cost_machine=machine_of(run)):
         for row in run["rows"]:
             q_heads, kv_heads = (int(x) for x in row["heads"].split("/"))
             layout = dtcp.Balanced(documents_of(row["mask"], row["seq"]))
