@@ -38,8 +38,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtcp  # noqa: E402
 from bench_strategies import STRATEGIES, documents_of, machine_of  # noqa: E402
+from dtcp.plan import decoder_layer_flops_per_token  # noqa: E402
 
-OBJECTIVES = ("call", "device")
+OBJECTIVES = ("call", "device", "step")
+
+
+def layer_flops_per_token(dim: int, ffn: int, q_heads: int, kv_heads: int, head_dim: int) -> float:
+    """`Layer`'s matmul FLOPs per token, forward + backward: what the "step" objective needs
+    (dtcp.config.layer_flops_per_token)."""
+    return decoder_layer_flops_per_token(dim, ffn, q_heads, kv_heads, head_dim)
+
+
+def objective_settings(objective: str, flops: float) -> dict:
+    """dtcp.config settings of one objective ("step": with the layer's FLOPs per token)."""
+    return dict(cost_objective=objective, layer_flops_per_token=flops if objective == "step" else None)
 
 
 class Layer(nn.Module):
@@ -63,10 +75,11 @@ class Layer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int) -> dict:
+def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int, flops: float) -> dict:
     """What strategy="auto" takes for this call under each objective (the cost model's ranking,
     dtcp.exec.route.explain, as dtcp.explain gives it, on meta tensors of rank 0's shapes, with
-    dtcp.config.cost_machine: calibrated at the start, or the replayed run's)."""
+    dtcp.config.cost_machine: calibrated at the start, or the replayed run's). `flops`: the
+    layer's FLOPs per token (the "step" objective's)."""
     from dtcp.api import op_layout
     from dtcp.exec import route
     from dtcp.kernels import default_scale
@@ -77,7 +90,7 @@ def picks(layout, q_heads: int, kv_heads: int, head_dim: int, n: int, seq: int) 
     args = route.CallArgs("", spec, True, default_scale(head_dim), "auto", -1, 0, "auto")
     out = {}
     for objective in OBJECTIVES:
-        with dtcp.config.override(cost_objective=objective):
+        with dtcp.config.override(**objective_settings(objective, flops)):
             out[objective] = route.explain(q, k, k, args, cu, n, 0)[0]
     return out
 
@@ -141,17 +154,20 @@ def summary(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
-def replay(path: str) -> list[dict]:
-    """Each row's picks again with this checkout's cost model and the run's calibrated constants."""
+def replay(path: str, machine=None) -> list[dict]:
+    """Each row's picks again with this checkout's cost model and the run's calibrated constants
+    (or `machine`, a dtcp.plan.Machine)."""
     with open(path) as f:
         run = json.load(f)
     rows = []
-    with dtcp.config.override(cost_machine=machine_of(run)):
+    with dtcp.config.override(cost_machine=machine_of(run) if machine is None else machine):
         for row in run["rows"]:
             q_heads, kv_heads = (int(x) for x in row["heads"].split("/"))
             layout = dtcp.Balanced(documents_of(row["mask"], row["seq"]))
-            rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, row.get("head_dim", 128), run["world_size"],
-                                              row["seq"])))
+            head_dim = row.get("head_dim", 128)
+            flops = layer_flops_per_token(row["dim"], row["ffn"], q_heads, kv_heads, head_dim)
+            rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, head_dim, run["world_size"], row["seq"],
+                                              flops)))
     return rows
 
 
@@ -190,17 +206,18 @@ def main():
     layers = nn.ModuleList(Layer(args.dim, args.ffn, q_heads, kv_heads, args.head_dim) for _ in range(args.layers))
     layers = layers.to(device, dtype)
     x0 = torch.randn(1, args.seq // n, args.dim, device=device, dtype=dtype)
+    flops = layer_flops_per_token(args.dim, args.ffn, q_heads, kv_heads, args.head_dim)
     rows = []
     for mask in args.masks:
         layout = dtcp.Balanced(documents_of(mask, args.seq))
         row = dict(mask=mask, dim=args.dim, ffn=args.ffn, layers=args.layers, heads=args.heads,
                    head_dim=args.head_dim, seq=args.seq,
                    step_s=step_times(layers, x0, layout, q_heads != kv_heads, args.iters),
-                   picks=picks(layout, q_heads, kv_heads, args.head_dim, n, args.seq))
+                   picks=picks(layout, q_heads, kv_heads, args.head_dim, n, args.seq, flops))
         # strategy="auto" itself, under each objective: its live route (the pick, agreed by the ranks)
         row["auto_step_s"] = {}
         for objective in OBJECTIVES:
-            with dtcp.config.override(cost_objective=objective):
+            with dtcp.config.override(**objective_settings(objective, flops)):
                 got = step_times(layers, x0, layout, q_heads != kv_heads, args.iters, strategies=("auto",))
             if "auto" in got:
                 row["auto_step_s"][objective] = got["auto"]

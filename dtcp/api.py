@@ -287,8 +287,10 @@ def explain(
     Meta tensors stand for the GPU the cost model's machine describes: kernels are chosen as on
     CUDA with its compute capability (``Machine.compute_capability``), FlashAttention-4 counted
     as installed. The constants are dtcp.config.cost_machine (dtcp.calibrate() measures them),
-    else the shipped H200 NVLink figures; the times are an isolated call's, or with
-    dtcp.config.cost_objective = "device" the device's alone (the report says which). On CPU,
+    else the shipped H200 NVLink figures; the times are an isolated call's, with
+    dtcp.config.cost_objective = "device" the device's alone, or with "step" (or "auto" and
+    dtcp.config.layer_flops_per_token set) the call's share of a training step (the report says
+    which). On CPU,
     "auto" takes the ring whatever the model says.
 
     Returns a multi-line report; its first line is ``auto -> <strategy>``."""
@@ -308,8 +310,13 @@ def explain(
         lines.append(f"  {p.strategy:<10} predicted {p.total_s * 1e3:9.3f} ms  (kernels {p.kernel_s * 1e3:.3f} ms "
                      f"on {p.kernel} x {p.launches} launches, communication {p.comm_s * 1e3:.3f} ms of which "
                      f"exposed {p.exposed_comm_s * 1e3:.3f} ms{'; ' + p.note if p.note else ''})")
-    if preds and config.cost_objective == "device":
+    objective = config.cost_objective_in_force()
+    if preds and objective == "device":
         lines.append("  (dtcp.config.cost_objective='device': the device's time alone, no host time counted)")
+    elif preds and objective == "step":
+        lines.append(f"  (cost objective 'step': each time is the call's share of a training step, the larger of its "
+                     f"device time and the host time the rest of its layer does not cover, at "
+                     f"dtcp.config.layer_flops_per_token = {config.layer_flops_per_token:.4g})")
     if not preds:
         lines.append("  a 2-D mesh runs 'hybrid' (Ulysses over its inner dim, ring or all-gather across)")
     elif q.device.type == "meta":
@@ -323,7 +330,7 @@ def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None,
               dtype: torch.dtype = torch.bfloat16, **options):
     """Measure the cost model's constants on this machine (a few seconds; collective: every rank of
     `group` calls it) and, with `apply`, make them dtcp.config.cost_machine, which
-    ``strategy="auto"`` and ``dtcp.explain`` use from then on. Measured: a ring transfer, an
+    ``strategy="auto"`` and ``dtcp.explain`` use from then on. Measured: a ring transfer, a matmul, an
     all-to-all, a tiny all-to-all (latency), a device copy, every available kernel's rate on a long
     square causal block, the auto kernel at two block lengths, and each strategy's fixed host cost
     per call (a small call of each, less what the model predicts for it). The slowest rank's

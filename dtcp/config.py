@@ -17,7 +17,8 @@ nothing reads the environment or a module global on the hot path.
 | `merge` | "auto" | `DTCP_MERGE` | LSE merge: "auto" (fused Triton kernel on CUDA), "triton", "torch" |
 | `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
-| `cost_objective` | "call" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included) or "device" (its device time alone: for training steps whose other layers keep the GPUs busy while the host runs ahead) |
+| `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
+| `layer_flops_per_token` | None | `DTCP_LAYER_FLOPS_PER_TOKEN` | the device FLOPs per token of the rest of the layer around each attention call, forward + backward (6 x the layer's matmul parameters): what the "step" objective weighs the call's host time against. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset |
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
@@ -31,12 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 _CHOICES = {
     "transport": ("auto", "ce", "nccl"),
     "merge": ("auto", "triton", "torch"),
-    "cost_objective": ("call", "device"),
+    "cost_objective": ("auto", "call", "device", "step"),
 }
 
 
@@ -65,6 +66,7 @@ _ENVIRONMENT = (
     ("DTCP_HIGH_PRIORITY_RING", "high_priority_ring", _parse_bool),
     ("DTCP_MERGE", "merge", _parse_choice),
     ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
+    ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
 )
 
@@ -86,13 +88,31 @@ class Config:
     varlen_gaps: bool = True
     ring_steps_per_launch: Union[int, str] = 1
     cost_machine: object = None
-    cost_objective: str = "call"
+    cost_objective: str = "auto"
+    layer_flops_per_token: Optional[float] = None
+
+    def cost_objective_in_force(self) -> str:
+        """The objective `strategy="auto"` minimizes: cost_objective, with "auto" resolved ("step"
+        where layer_flops_per_token is set, else "call"). Raises where "step" has no layer FLOPs."""
+        objective = self.cost_objective
+        if objective == "auto":
+            return "step" if self.layer_flops_per_token is not None else "call"
+        if objective == "step" and self.layer_flops_per_token is None:
+            raise ValueError("dtcp.config.cost_objective='step' weighs each call's host time against the rest of its "
+                             "layer: set dtcp.config.layer_flops_per_token (6 x the layer's matmul parameters) or "
+                             "DTCP_LAYER_FLOPS_PER_TOKEN, or use cost_objective 'auto'")
+        return objective
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
             raise AttributeError(f"dtcp.config has no setting {name!r}; settings: "
                                  f"{[f.name for f in dataclasses.fields(self)]}")
         object.__setattr__(self, name, _checked(name, value))
+        if name in ("cost_objective", "layer_flops_per_token"):
+            # (one string of what auto's picks depend on, for the compiled route key: torch.compile
+            # traces reading it, and cannot trace formatting a float)
+            object.__setattr__(self, "cost_text", f"{getattr(self, 'cost_objective', '')} "
+                                                  f"{getattr(self, 'layer_flops_per_token', None)!r}")
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -140,6 +160,12 @@ def _checked(name: str, value):
             raise ValueError(f"dtcp.config.ring_steps_per_launch must be an int >= 1 (1: one launch per ring step) "
                              f"or \"auto\" (the cost model chooses per call); got {value!r}")
         return value
+    if name == "layer_flops_per_token":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"dtcp.config.layer_flops_per_token must be a positive number of FLOPs per token (6 x "
+                             f"a layer's matmul parameters, forward + backward) or None; got {value!r}")
+        return None if value is None else float(value)
     if name == "cost_machine":
         if value is not None and not hasattr(value, "kernel_flops_per_s"):
             raise TypeError(f"dtcp.config.cost_machine must be a dtcp.plan.Machine (e.g. dtcp.calibrate()) or None; "

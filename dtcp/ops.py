@@ -167,11 +167,12 @@ def compiled_route_key() -> str:
     """The `route` argument of dtcp::ring_attention: the settings its decomposition reads, and the
     digest of the source that reads them. Read while tracing, so torch.compile guards on them: a
     change re-traces. The traced all-gather is chosen while tracing (strategy="auto"'s pick), so
-    the cost objective is one of them; `dtcp.config.cost_machine` is not (a Machine has no
-    stable short form): calibrate before compiling."""
+    the cost objective and the layer's FLOPs per token are among them (config.cost_text);
+    `dtcp.config.cost_machine` is not (a Machine has no stable short form): calibrate before
+    compiling."""
     if not config.traced_allgather:
         return f"custom_op;src {SOURCE_DIGEST}"
-    return f"traced{'+one_launch' if config.one_launch else ''};cost {config.cost_objective};src {SOURCE_DIGEST}"
+    return f"traced{'+one_launch' if config.one_launch else ''};cost {config.cost_text};src {SOURCE_DIGEST}"
 
 
 def _ring_attention_composite(q, k, v, group_name, layout, is_causal, scale, backend, window_left, window_right,

@@ -32,10 +32,10 @@ def test_cpu_smoke_run_and_replay(tmp_path):
         # (the all-gather takes a Balanced batch only with a one-launch varlen kernel: not on CPU)
         assert {"ring", "ulysses"} <= set(row["step_s"]), row
         assert all(0 < t < math.inf for t in row["step_s"].values()), row
-        assert set(row["picks"]) == {"call", "device"}, row
+        assert set(row["picks"]) == {"call", "device", "step"}, row
         assert set(row["picks"].values()) <= {"ring", "allgather", "ulysses"}, row
         # strategy="auto" itself ran under each objective (on CPU its live route is the ring)
-        assert set(row["auto_step_s"]) == {"call", "device"}, row
+        assert set(row["auto_step_s"]) == {"call", "device", "step"}, row
         assert all(0 < t < math.inf for t in row["auto_step_s"].values()), row
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:

@@ -14,6 +14,7 @@ GOOD = {
     "DTCP_HIGH_PRIORITY_RING": ("0", "high_priority_ring", False),
     "DTCP_MERGE": ("Torch", "merge", "torch"),
     "DTCP_COST_OBJECTIVE": ("device", "cost_objective", "device"),
+    "DTCP_LAYER_FLOPS_PER_TOKEN": ("1.3e9", "layer_flops_per_token", 1.3e9),
     "DTCP_RING_STEPS_PER_LAUNCH": ("AUTO", "ring_steps_per_launch", "auto"),
 }
 BAD = {
@@ -23,6 +24,7 @@ BAD = {
     "DTCP_HIGH_PRIORITY_RING": ("2", "use 1 or 0"),
     "DTCP_MERGE": ("cuda", "must be one of"),
     "DTCP_COST_OBJECTIVE": ("wall", "must be one of"),
+    "DTCP_LAYER_FLOPS_PER_TOKEN": ("-1", "must be a positive number"),
     "DTCP_RING_STEPS_PER_LAUNCH": ("0", "must be an int >= 1"),
 }
 

@@ -7,6 +7,7 @@ and auto use): no process group, no device, no timing."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -539,7 +540,67 @@ def test_device_objective_is_the_call_without_its_host_time():
 def test_cost_objective_setting():
     with pytest.raises(ValueError, match="cost_objective must be one of"):
         dtcp.config.cost_objective = "wall"
-    assert dtcp.config.cost_objective == "call"
+    assert dtcp.config.cost_objective == "auto" and dtcp.config.layer_flops_per_token is None
+    assert dtcp.config.cost_objective_in_force() == "call"  # ("auto" without a layer's FLOPs)
+    with dtcp.config.override(layer_flops_per_token=1.3e9):
+        assert dtcp.config.cost_objective_in_force() == "step"
+        with dtcp.config.override(cost_objective="call"):  # an explicit objective stands
+            assert dtcp.config.cost_objective_in_force() == "call"
+    with dtcp.config.override(cost_objective="step"):
+        with pytest.raises(ValueError, match="layer_flops_per_token"):
+            dtcp.config.cost_objective_in_force()
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1e9"):
+        with pytest.raises(ValueError, match="layer_flops_per_token must be a positive number"):
+            dtcp.config.layer_flops_per_token = bad
+    assert dtcp.config.layer_flops_per_token is None
+
+
+# ---- the step objective: the call inside a training step ---------------------------------------------
+def _step_totals(machine, flops, q, k, v, args, cu, n):
+    with dtcp.config.override(cost_machine=machine, cost_objective="step", layer_flops_per_token=flops):
+        return {p.strategy: p for p in route.explain(q, k, v, args, cu, n, 0)[1]}
+
+
+def test_step_objective_between_call_and_device():
+    """Under "step" each strategy costs max(device, host - W), W the rest of the layer's device
+    time (layer_flops_per_token x local tokens / matmul rate): with no work around it, the larger
+    of its device and host times (host = its launches' and its fixed cost); with more work than
+    any host time, the "device" objective's time exactly; never below "device" and falling as W
+    grows. On a packed batch at 32K over 4 ranks the ring is host-bound: "step" ranks it by its
+    host time until the layer covers it."""
+    machine = dataclasses.replace(MACHINE, fixed_s=(("ring", 3e-3), ("allgather", 2e-3), ("ulysses", 4e-3)))
+    batch = long_tailed(32768, seed=2)
+    q, k, v, args, cu = meta_call(4, dtcp.Balanced(batch).op_spec(), batch, total=32768)
+    with dtcp.config.override(cost_machine=machine, cost_objective="device"):
+        device = {p.strategy: p.total_s for p in route.explain(q, k, v, args, cu, 4, 0)[1]}
+    tokens = q.shape[0] * q.shape[2]
+    totals = []
+    for flops in (1e-3, 1e8, 1e9, 1e10, 1e13):
+        step = _step_totals(machine, flops, q, k, v, args, cu, 4)
+        w = flops * tokens / machine.matmul_flops_per_s
+        assert set(step) == set(device), (step, device)
+        for s, p in step.items():
+            assert p.total_s >= device[s] * (1 - 1e-12) and "in a step" in p.note, (s, p)
+            assert p.other_s == pytest.approx(w, rel=1e-12), (s, p, w)
+            assert p.total_s == pytest.approx(max(device[s], p.host_s - w), rel=1e-12), (s, p, w)
+            assert p.host_s >= dict(machine.fixed_s)[s], (s, p)  # (its launches' host time and its fixed cost)
+        totals.append(step)
+    assert totals[0]["ring"].total_s > device["ring"] + 3e-3, (totals[0]["ring"], device)  # host-bound
+    for s in device:  # more work around the call: never dearer, and at last the device's time
+        seq = [t[s].total_s for t in totals]
+        assert all(a >= b for a, b in zip(seq, seq[1:])), (s, seq)
+        assert seq[-1] == pytest.approx(device[s], rel=1e-12), (s, seq, device)
+
+
+def test_step_objective_forward_only_counts_the_forward_share():
+    """A forward-only call (backward=False) has a third of the layer's forward + backward work
+    around it."""
+    machine = dataclasses.replace(MACHINE, fixed_s=(("ring", 3e-3),))
+    q, k, v, args, _ = meta_call(4, "zigzag", total=32768)
+    for backward, share in ((True, 1.0), (False, 1 / 3)):
+        with dtcp.config.override(cost_machine=machine, cost_objective="step", layer_flops_per_token=1e9):
+            p = next(p for p in route.explain(q, k, v, args, None, 4, 0, backward=backward)[1] if p.strategy == "ring")
+        assert p.other_s == pytest.approx(1e9 * q.shape[2] * share / machine.matmul_flops_per_s, rel=1e-12), p
 
 
 def test_cost_objective_from_the_environment(monkeypatch):
@@ -582,25 +643,34 @@ def test_measured_runs_with_the_host_hidden_replayed(name, objective, times, wit
     assert sum(within) == within_5, [(r["S"], r["heads"], r["mask"], r["pick"], r[times]) for r in rows]
 
 
-@pytest.mark.parametrize("name,call_within_5,device_within_5", [
+@pytest.mark.parametrize("name,call_within_5,device_within_5,step_within_5", [
     # 4 layers of an 8B-class model (dim 4096, MLP 14336, 32/8 heads), 32K packed tokens over 4 H100s:
     # the layers' matmuls hide the ring's host; the ring the fastest step on all three batches
     # (0.8-8.3% ahead of the next), which "device" picks and "call" does not (it takes the all-gather)
-    ("train_step_4xh100_2026-11-27_dim4096.json", 1, 3),
+    ("train_step_4xh100_2026-11-27_dim4096.json", 1, 3, 3),
     # the same on a second 4x H100 machine (the script as landed): the ring again the fastest step on
     # all three (1.1-5.2% ahead of the next); "call" takes the all-gather, within 5% at 2 of 3
-    ("train_step_4xh100_2026-11-27b_dim4096.json", 2, 3),
+    ("train_step_4xh100_2026-11-27b_dim4096.json", 2, 3, 3),
     # dim 2048, MLP 8192, 16/8 heads: too little matmul work to hide the ring's host; the all-gather or
     # Ulysses the fastest, "call" within 1.5% on all three, "device" 8.5% slower on one (it takes the ring)
-    ("train_step_4xh100_2026-11-27_dim2048.json", 3, 2),
+    ("train_step_4xh100_2026-11-27_dim2048.json", 3, 2, 3),
     # the same layers on 2 H100s (16K tokens a rank; the script as landed): the ring the fastest step
     # at all six points (6.0-12.5% ahead of the next), and both objectives take it
-    ("train_step_2xh100_2026-11-27_dim4096.json", 3, 3),
-    ("train_step_2xh100_2026-11-27_dim2048.json", 3, 3),
+    ("train_step_2xh100_2026-11-27_dim4096.json", 3, 3, 3),
+    ("train_step_2xh100_2026-11-27_dim2048.json", 3, 3, 3),
+    # a third 4x H100 machine, the fourteenth session (calibrated with the matmul rate: 686 and 721
+    # TFLOP/s): at dim 4096 the ring again the fastest step (2.6-7.5% ahead), "call" misses one; at
+    # dim 2048 "step" takes the ring where the all-gather is 8.6% faster (log-normal; the model has
+    # the ring's host 5.6 ms against 4.5 ms of other work: a tie it breaks the wrong way) and 3.6%
+    ("train_step_4xh100_2026-11-27c_dim4096.json", 2, 3, 3),
+    ("train_step_4xh100_2026-11-27c_dim2048.json", 3, 2, 2),
 ])
-def test_measured_training_steps_replayed(name, call_within_5, device_within_5):
+def test_measured_training_steps_replayed(name, call_within_5, device_within_5, step_within_5):
     """benchmarks/bench_train_step.py's replay: the strategy auto picks under each objective,
-    against the measured step times of a stack of decoder layers."""
+    against the measured step times of a stack of decoder layers. "step" (the layers' own FLOPs
+    per token; the shipped matmul rate for the runs that predate its calibration) is within 5% of
+    the fastest step at 20 of 21 points, "call" at 17 (it misses at dim 4096, up to 8.6% slower),
+    "device" at 19 (it misses at dim 2048, up to 8.6%)."""
     import os
     bench_train_step, bench = _benchmark("bench_train_step")
     rows = bench_train_step.replay(os.path.join(bench, "results", name))
@@ -609,4 +679,22 @@ def test_measured_training_steps_replayed(name, call_within_5, device_within_5):
     def within(objective):
         return sum(r["step_s"][r["picks"][objective]] <= 1.05 * min(r["step_s"].values()) for r in rows)
 
-    assert (within("call"), within("device")) == (call_within_5, device_within_5), rows
+    assert (within("call"), within("device"), within("step")) == (call_within_5, device_within_5, step_within_5), rows
+
+
+@pytest.mark.parametrize("rate,within_5", [(400e12, 20), (900e12, 21)])
+def test_measured_training_steps_replayed_at_other_matmul_rates(rate, within_5):
+    """The step objective's picks do not hang on the matmul rate: at 400 and 900 TFLOP/s (the
+    shipped 650 +- 40%) within 5% of the fastest step at 20 and 21 of the 21 points."""
+    import glob
+    import os
+    bench_train_step, bench = _benchmark("bench_train_step")
+    bench_strategies, _ = _benchmark("bench_strategies")
+    within = total = 0
+    for name in sorted(glob.glob(os.path.join(bench, "results", "train_step_*.json"))):
+        with open(name) as f:
+            machine = bench_strategies.machine_of(json.load(f))
+        rows = bench_train_step.replay(name, machine=dataclasses.replace(machine, matmul_flops_per_s=rate))
+        within += sum(r["step_s"][r["picks"]["step"]] <= 1.05 * min(r["step_s"].values()) for r in rows)
+        total += len(rows)
+    assert (within, total) == (within_5, 21)

@@ -167,6 +167,10 @@ def route_follows_the_cost_settings():
         counts.append(call())
     with dtcp.config.override(cost_machine=dataclasses.replace(MACHINES["h200-nvlink"], latency_s=1e-3)):
         counts.append(call())
+    with dtcp.config.override(layer_flops_per_token=1e9):  # ("auto": the step objective, this layer's work)
+        counts.append(call())
+    with dtcp.config.override(layer_flops_per_token=2e9):
+        counts.append(call())
     counts.append(call())
     clear_routes()
     return counts
@@ -174,7 +178,7 @@ def route_follows_the_cost_settings():
 
 def test_route_follows_the_cost_settings():
     for counts in run_ranks(2, route_follows_the_cost_settings):
-        assert counts == [1, 2, 3, 3], counts
+        assert counts == [1, 2, 3, 4, 5, 5], counts
 
 
 def compiled_under_each_objective():
@@ -188,8 +192,8 @@ def compiled_under_each_objective():
     fn = torch.compile(lambda q, k, v: dtcp.ring_attention(q, k, v, layout="zigzag", is_causal=True, backend="math"),
                        backend="aot_eager", fullgraph=True)
     graphs = []
-    for objective in ("call", "device", "call"):
-        with dtcp.config.override(cost_objective=objective):
+    for objective, flops in (("call", None), ("device", None), ("step", 1e9), ("step", 2e9), ("call", None)):
+        with dtcp.config.override(cost_objective=objective, layer_flops_per_token=flops):
             fn(q, q, q)
         graphs.append(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
@@ -198,7 +202,7 @@ def compiled_under_each_objective():
 
 def test_cost_objective_reaches_compiled_graphs():
     for graphs in run_ranks(2, compiled_under_each_objective, timeout=300):
-        assert graphs == [1, 2, 2], graphs
+        assert graphs == [1, 2, 3, 4, 4], graphs
 
 
 # ---- process groups destroyed and created again --------------------------------------------------

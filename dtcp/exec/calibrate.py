@@ -1,8 +1,8 @@
 """`dtcp.calibrate()`: the cost model's constants (dtcp/plan/cost.py `Machine`), measured on the
 machine it runs on, in a few seconds: a ring transfer, an all-to-all, a tiny all-to-all (latency),
-a device copy, every available kernel on a long square causal block, the kernel that
-`backend="auto"` picks at two block lengths (the slowdown of short blocks), and the host time of
-one varlen launch of each one-launch kernel. dtcp.calibrate (api.py)
+a device copy, a decoder layer's matmul, every available kernel on a long square causal block,
+the kernel that `backend="auto"` picks at two block lengths (the slowdown of short blocks), and
+the host time of one varlen launch of each one-launch kernel. dtcp.calibrate (api.py)
 then measures each strategy's fixed host cost per call. Every
 rank measures; the constants are the slowest rank's (an all-reduce of the times), so that every
 rank's model, and so every rank's choice of strategy, is the same.
@@ -96,6 +96,12 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
     big = torch.empty(transfer_bytes * 4, dtype=torch.uint8, device=device)
     big_copy = torch.empty_like(big)
     t_copy = timed(lambda: big_copy.copy_(big), device, repeats)
+    # A decoder layer's matmul (tokens x hidden @ hidden x hidden), for the "step" objective's
+    # other work per layer (CallShape.other_flops_per_token). Small on CPU, where it only has to run.
+    mm_m, mm_k = (seq_len, 4096) if device.type == "cuda" else (256, 256)
+    mm_a = torch.randn(mm_m, mm_k, device=device, dtype=dtype)
+    mm_b = torch.randn(mm_k, mm_k, device=device, dtype=dtype)
+    t_mm = timed(lambda: torch.mm(mm_a, mm_b), device, repeats)
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
@@ -146,11 +152,12 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
             hosts.append((kernel_name, launch_host_s(kernel, device, dtype, head_dim=head_dim)))
         except Exception:  # noqa: BLE001 - not measurable here: the shipped figure stays
             continue
-    measured = slowest([t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny] + [t for _, t in rates]
-                       + [t for _, t in hosts], pg, device)
-    t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny = measured[:7]
-    rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, measured[7:7 + len(rates)])]
-    hosts = [(kernel_name, t) for (kernel_name, _), t in zip(hosts, measured[7 + len(rates):])]
+    fixed = [t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny, t_mm]
+    measured = slowest(fixed + [t for _, t in rates] + [t for _, t in hosts], pg, device)
+    t_p2p, t_a2a, t_small, t_copy, t_long, t_short, tiny, t_mm = measured[:len(fixed)]
+    rest = measured[len(fixed):]
+    rates = [(kernel_name, causal_flops / t) for (kernel_name, _), t in zip(rates, rest[:len(rates)])]
+    hosts = [(kernel_name, t) for (kernel_name, _), t in zip(hosts, rest[len(rates):])]
 
     def full_flops(q_len: int) -> float:
         return 2.0 * heads * q_len * seq_len * 2 * head_dim * 3.5
@@ -173,6 +180,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         kernel_rates=tuple(rates),
         launch_host_s=tuple((dict(base.launch_host_s) | dict(hosts)).items()),
         launch_s=base.launch_s,  # (not measured here yet: the shipped provisional figure)
+        matmul_flops_per_s=2.0 * mm_m * mm_k * mm_k / t_mm,
         compute_capability=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
                             else base.compute_capability),
     )

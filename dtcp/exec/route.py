@@ -163,7 +163,7 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
            args.head_group_name, args.chunk_size, config.ring_steps_per_launch, config.cost_machine,
-           config.cost_objective)  # (what auto's picks depend on: a new value is a new route)
+           config.cost_objective, config.layer_flops_per_token)  # (auto's picks follow them: new value, new route)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -185,8 +185,9 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     # or cost_objective set on some ranks only) would otherwise run different schedules and wait on
     # each other.
     signature = dict(signature, **{
-        "strategy chosen (dtcp.config.cost_machine, cost_objective)": strategy,
-        "ring steps per launch (dtcp.config.ring_steps_per_launch, cost_machine, cost_objective)": str(size)})
+        "strategy chosen (dtcp.config.cost_machine, cost_objective, layer_flops_per_token)": strategy,
+        "ring steps per launch (dtcp.config.ring_steps_per_launch, cost_machine, cost_objective, "
+        "layer_flops_per_token)": str(size)})
     _agree(guards, what, signature)
     if strategy == "ulysses":
         head_state = state  # the 1-D group exchanges heads; nothing moves after
@@ -477,13 +478,17 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                       **ring_fields, allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
-                      host_hidden=_host_hidden())
+                      **_objective_fields())
     return shape, allowed
 
 
-def _host_hidden() -> bool:
-    """Does the cost model rank the device's time alone (dtcp.config.cost_objective)?"""
-    return config.cost_objective == "device"
+def _objective_fields() -> dict:
+    """The CallShape fields of the objective in force (dtcp.config.cost_objective): "device" ranks
+    the device's time alone, "step" weighs the host's time against the rest of the layer
+    (dtcp.config.layer_flops_per_token), "call" counts both."""
+    objective = config.cost_objective_in_force()
+    return dict(host_hidden=objective == "device",
+                other_flops_per_token=config.layer_flops_per_token if objective == "step" else None)
 
 
 def _keys_per_round(build, layout, local_len: int, n: int, is_causal: bool, row_masks) -> float:
@@ -621,7 +626,7 @@ def _ring_choice_of(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
     base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                      ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
-                     kernels=(("ring", kernel.name),), host_hidden=_host_hidden())
+                     kernels=(("ring", kernel.name),), **_objective_fields())
     fields = {size: _ring_launch_fields(plans, kernel, size, q, k, v) for size in sorted({1, min(4, rounds), rounds})}
     predicted = {size: predict("ring", replace(base, **f), machine).total_s for size, f in fields.items()}
     best = min(sorted(predicted), key=lambda size: predicted[size])  # (ties: the smaller size)

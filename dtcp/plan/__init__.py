@@ -5,7 +5,8 @@ ranks strategies with."""
 
 from .allgather import AllGatherPlan, VarlenPlan, allgather_plans, allgather_reason, varlen_reason
 from .documents import chunk_segments, row_cu_seqlens, segments_from_cu_seqlens
-from .cost import MACHINES, CallShape, Machine, Prediction, plan_pairs, predict, task_pairs
+from .cost import (MACHINES, CallShape, Machine, Prediction, decoder_layer_flops_per_token, plan_pairs, predict,
+                   task_pairs)
 from .exchange import KV_EXCHANGES, STRATEGIES, check_kv_exchange, check_strategy, exchange_candidates
 from .mask import AttnMask, Band, Task, band_tasks
 from .ring import RingPlan, Step, ring_plan, ring_plans
@@ -15,6 +16,7 @@ __all__ = [
     "AllGatherPlan", "VarlenPlan", "chunk_segments", "allgather_plans", "allgather_reason", "varlen_reason", "row_cu_seqlens",
     "segments_from_cu_seqlens", "KV_EXCHANGES", "check_kv_exchange", "exchange_candidates", "AttnMask", "Band",
     "Task", "band_tasks", "RingPlan", "Step", "ring_plan", "ring_plans", "STRATEGIES", "check_strategy",
-    "MACHINES", "CallShape", "Machine", "Prediction", "plan_pairs", "predict", "task_pairs", "HeadSplit",
+    "MACHINES", "CallShape", "Machine", "Prediction", "decoder_layer_flops_per_token", "plan_pairs", "predict",
+    "task_pairs", "HeadSplit",
     "UlyssesPlan", "head_splits", "inner_layout", "ulysses_plan",
 ]

@@ -33,7 +33,10 @@ cost per call (`fixed_s`, measured by dtcp.calibrate on a small call) is added: 
 measured times of short calls were the sum of the two, not the larger (the calls do not hide their
 host time behind their device time). With `CallShape.host_hidden` (`dtcp.config.cost_objective =
 "device"`: a training step whose other layers keep the GPUs busy while the host runs ahead) no
-host time counts, neither per launch nor per call: the model ranks the device's time alone. The
+host time counts, neither per launch nor per call: the model ranks the device's time alone. With
+`CallShape.other_flops_per_token` (the "step" objective: dtcp.config.layer_flops_per_token) a call
+costs max(its device time, its host time - the device time of the rest of its layer): what it
+adds to a training step whose host queues each layer while the device runs the one before. The
 constants of a machine are a `Machine`: `MACHINES` has measured defaults; `dtcp.calibrate()`
 measures the one it runs on. The model ranks strategies; it is checked against measurements by
 benchmarks/bench_strategies.py (docs/strategies.md).
@@ -81,6 +84,10 @@ class Machine:
     ring_launch_host_s: float = 7e-4
     # The GPU's compute capability: what kernels a prediction on meta tensors assumes (FA4 needs >= 9.0)
     compute_capability: tuple = (9, 0)
+    # Dense bf16 matmul rate at a decoder layer's shapes: the rest of a layer's device time under
+    # the "step" objective (CallShape.other_flops_per_token). H100 and H200 share their compute;
+    # measured by dtcp.calibrate (exec/calibrate.py matmul_flops_per_s).
+    matmul_flops_per_s: float = 650e12
 
     def rate_of(self, kernel: Optional[str]) -> float:
         return dict(self.kernel_rates).get(kernel, self.kernel_flops_per_s)
@@ -145,6 +152,12 @@ class CallShape:
     # The host runs ahead of the device (dtcp.config.cost_objective = "device": a training step whose
     # other layers keep the GPU busy): host time per launch and per call is hidden, the device's counts
     host_hidden: bool = False
+    # The "step" objective (dtcp.config.layer_flops_per_token): the device FLOPs per token that the
+    # rest of the call's layer spends (forward + backward: its matmuls), so W = other_flops_per_token
+    # x batch x local_len / matmul_flops_per_s of device work surround each call. The call then
+    # costs the step max(its device time, its host time - W): the host queues the call while the
+    # device runs the layer's other work, and only the host time beyond W shows (`predict`).
+    other_flops_per_token: Optional[float] = None
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
@@ -171,6 +184,22 @@ class Prediction:
     note: str = ""
     kernel: Optional[str] = None  # the kernel the strategy's schedule runs on (None: the machine's default rate)
     launches: int = 0  # kernel launches per pass on the rank that launches most
+    # under the "step" objective (CallShape.other_flops_per_token): the host's time to queue the
+    # call and the device time of the rest of its layer (total_s = max(device, host_s - other_s))
+    host_s: Optional[float] = None
+    other_s: Optional[float] = None
+
+
+def decoder_layer_flops_per_token(hidden: int, ffn: int, q_heads: int, kv_heads: int, head_dim: int, *,
+                                  gated: bool = True, experts_per_token: int = 1, shared_ffn: int = 0) -> float:
+    """6 x the matmul parameters one token passes through in a decoder layer (2 FLOPs each forward,
+    4 backward): the Q, K, V and output projections, and the MLP of each expert it is routed to
+    (`experts_per_token` MLPs of `ffn`, plus `shared_ffn` of shared experts; gated: 3 hidden x ffn
+    matrices, else 2). What dtcp.config.layer_flops_per_token wants; the integrations take it
+    from the model's config."""
+    attention = hidden * (q_heads + 2 * kv_heads) * head_dim + q_heads * head_dim * hidden
+    mlp = (3 if gated else 2) * hidden * (ffn * experts_per_token + shared_ffn)
+    return 6.0 * (attention + mlp)
 
 
 def task_pairs(task: Task) -> int:
@@ -259,6 +288,8 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
     """Predicted time of one call of `shape` under `strategy` on `machine`. `outer`: the links
     across the Ulysses groups of a hybrid mesh when they differ (e.g. InfiniBand between nodes,
     NVLink inside them); the kernel figures are always `machine`'s."""
+    if shape.other_flops_per_token is not None:
+        return _in_step(strategy, shape, machine, outer)
     n, b, e = shape.world_size, shape.batch, shape.elem_bytes
     d, dv = shape.head_dim, shape.v_head_dim
     if strategy == "ring":
@@ -325,6 +356,33 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
                           comm + copies + ring_exposed, note, kernel=shape.kernel_of("hybrid"),
                           launches=shape.hybrid_calls)
     raise ValueError(f"predict: unknown strategy {strategy!r}")
+
+
+def _in_step(strategy: str, shape: CallShape, machine: Machine, outer: Optional[Machine]) -> Prediction:
+    """The call's cost inside a training step (CallShape.other_flops_per_token): per layer the
+    device runs the call and W seconds of other work while the host queues both, so the layer
+    takes max(device + W, host) and the call costs max(device, host - W) of it. At W = 0 the larger
+    of the two; for W beyond the host's time, the device's alone (the "device" objective)."""
+    device = predict(strategy, replace(shape, host_hidden=True, other_flops_per_token=None), machine, outer)
+    other = shape.other_flops_per_token * shape.batch * shape.local_len * (1.0 if shape.backward else 1 / 3)
+    w = other / machine.matmul_flops_per_s
+    host = host_s(strategy, shape, machine)
+    total = max(device.total_s, host - w)
+    note = (f"in a step: device {device.total_s * 1e3:.2f} ms, host {host * 1e3:.2f} ms, "
+            f"layer's other work {w * 1e3:.2f} ms")
+    return replace(device, total_s=total, note="; ".join(x for x in (device.note, note) if x), host_s=host, other_s=w)
+
+
+def host_s(strategy: str, shape: CallShape, machine: Machine) -> float:
+    """The host's time to queue one call: its launches (the kernel's own host time per launch, a
+    ring step's bookkeeping on the ring's) and the strategy's fixed cost per call (Machine.fixed_s)."""
+    kernel = shape.kernel_of(strategy)
+    per_launch = machine.host_of(kernel, shape.backward)
+    ring_step = machine.ring_launch_host_s * (1.0 if shape.backward else 0.4)
+    launches = {"ring": (shape.ring_calls, per_launch + ring_step), "allgather": (shape.allgather_calls, per_launch),
+                "ulysses": (shape.ulysses_calls, per_launch), "hybrid": (shape.hybrid_calls, per_launch + ring_step)}
+    calls, each = launches[strategy]
+    return calls * each + machine.fixed_of(strategy)
 
 
 def _fixed(machine: Machine, strategy: str, shape: CallShape) -> float:
