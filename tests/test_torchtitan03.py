@@ -248,6 +248,30 @@ def test_auto_layout_balances_one_packed_row(seeded):
     _assert_close(ref, got, name)
     # Balanced where a row packs several documents (a row of one document gets zigzag)
     assert "layout=auto@8" in text and "dtcp: layout auto -> balanced" in text, text[-3000:]
+    # each step tells dtcp its transformer block's work (6 x 851,968 matmul weights), for "auto"'s step objective
+    assert "dtcp: layer_flops_per_token 5.112e+06 (the model's transformer block)" in text, text[-3000:]
+
+
+def test_layer_flops_per_token_of_a_transformer_block():
+    """6 x the matmul weights a token passes through in the first block (llama3's debug model:
+    wqkv 768x256, wo 256x256, w1 and w3 768x256, w2 256x768; norms left out), built on meta."""
+    from dtcp.integrations.torchtitan._v030 import layer_flops_per_token
+
+    cfg = parse("--module", CONFIGS, "--config", "llama3_debug_dtcp")
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    assert layer_flops_per_token(model) == 6 * (768 * 256 + 256 * 256 + 3 * 768 * 256)
+    assert layer_flops_per_token(torch.nn.Linear(2, 2)) is None  # (no `layers`)
+    # a mixture of experts: weights stacked over 4 experts, 2 of which a token goes through (top_k)
+    block = torch.nn.Module()
+    block.proj = torch.nn.Linear(4, 8, bias=False)
+    block.experts = torch.nn.Module()
+    block.experts.w = torch.nn.Parameter(torch.zeros(4, 8, 4))
+    block.router = torch.nn.Module()
+    block.router.top_k = 2
+    moe = torch.nn.Module()
+    moe.layers = torch.nn.ModuleList([block, torch.nn.Linear(100, 100)])  # (the first block only)
+    assert layer_flops_per_token(moe) == 6 * (4 * 8 + 2 * 8 * 4)
 
 
 def test_window_changes_the_losses(seeded):

@@ -561,3 +561,49 @@ def test_window_convention_matches_hf_masks():
                       allow_is_causal_skip=False)[0, 0]
         i, j = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
         assert torch.equal(m, (j <= i) & (j >= i - (w - 1))), w
+
+
+# ---- the model's work per layer, for the "step" cost objective ---------------------------------------------
+def test_layer_flops_per_token_from_configs():
+    """6 x the matmul parameters a token passes through in one decoder layer, from the config: the
+    projections (q: 4 heads, k and v: 2 heads, of 8 dims; o) and a gated MLP; for mixtures of
+    experts the MLPs a token is routed to, plus shared experts; None without the sizes."""
+    from dtcp.integrations.transformers.block import layer_flops_per_token
+
+    attention = 32 * (4 + 2 * 2) * 8 + 4 * 8 * 32
+    llama = build("llama", "dtcp")
+    assert layer_flops_per_token(llama) == 6 * (attention + 3 * 32 * 64)
+    gpt_oss = build("gpt_oss", "dtcp")  # 4 experts of 32, 2 a token
+    assert layer_flops_per_token(gpt_oss) == 6 * (attention + 3 * 32 * 32 * 2)
+    qwen_moe = transformers.Qwen2MoeConfig(**COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=48,
+                                           num_experts=8, num_experts_per_tok=2)
+    assert layer_flops_per_token(transformers.Qwen2MoeForCausalLM(qwen_moe)) == \
+        6 * (attention + 3 * 32 * (16 * 2 + 48))
+    from types import SimpleNamespace
+    assert layer_flops_per_token(SimpleNamespace(config=SimpleNamespace(hidden_size=32, num_attention_heads=4))) is None
+
+
+def block_sets_the_layer_work(user_value):
+    """dtcp.config.layer_flops_per_token and the objective in force, inside and after a block
+    (with `user_value` set by the user before it, or not)."""
+    from dtcp.integrations.transformers.block import layer_flops_per_token
+
+    model = build("llama", "dtcp")
+    seen = {}
+    with dtcp.config.override(layer_flops_per_token=user_value):
+        with dtcp_hf.context_parallel(model, cp_mesh(), make_batch("packed", 32)) as cp:
+            model(**cp.inputs)
+            seen["inside"] = (dtcp.config.layer_flops_per_token, dtcp.config.cost_objective_in_force())
+        seen["after"] = dtcp.config.layer_flops_per_token
+    seen["model"] = layer_flops_per_token(model)
+    return seen
+
+
+@pytest.mark.parametrize("user_value", [None, 7e9])
+def test_block_gives_dtcp_the_layer_work(user_value):
+    """Inside the block the default cost objective ("auto") ranks each attention call as part of a
+    training step: the block sets dtcp.config.layer_flops_per_token from the model's config, and
+    puts back what was there after; a value the user set stands."""
+    for seen in run_ranks(2, block_sets_the_layer_work, user_value):
+        want = seen["model"] if user_value is None else user_value
+        assert seen["inside"] == (want, "step") and seen["after"] == user_value, seen

@@ -16,7 +16,10 @@ Built on 0.3's own extension points, no torchtitan code patched:
   ``Trainer.post_dataloading_process`` overridden (torchtitan documents it as the hook for
   subclasses): document boundaries come from the dataloader's per-document ``positions`` on the
   whole batch, then inputs, labels and positions are sharded with dtcp's layout instead of
-  torchtitan's load balancer (``parallelism.context_parallel_load_balancer`` is ignored).
+  torchtitan's load balancer (``parallelism.context_parallel_load_balancer`` is ignored);
+  ``Trainer.forward_backward_step`` runs with ``dtcp.config.layer_flops_per_token`` set to the
+  model's transformer block (`layer_flops_per_token`), unless the user set it, so that
+  ``strategy="auto"`` ranks each attention call as part of the step (the "step" cost objective).
 * ``ModelSpec``: every inner attention config (``FlexAttention`` / ``VarlenAttention``) becomes a
   `DtcpAttention.Config`, and ``parallelize_fn`` is wrapped to bind each `DtcpAttention` to the
   ``cp`` mesh's group before torchtitan's own parallelize (FSDP2 over dp_shard x cp, AC,
@@ -293,6 +296,26 @@ def dtcp_model_spec(spec: ModelSpec, options: DtcpOptions) -> ModelSpec:
     return dataclasses.replace(spec, model=model, parallelize_fn=_dtcp_parallelize(fn))
 
 
+def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
+    """6 x the matmul parameters a token passes through in the model's first transformer block
+    (``model.layers``): its 2-D weights, and of weights stacked over experts (3-D, torchtitan's
+    GroupedExperts) the share of the ``top_k`` experts a token is routed to (a module's ``top_k``
+    in the block, else 1). What dtcp's "step" cost objective weighs each attention call's host
+    time against (dtcp.config.layer_flops_per_token). None without ``layers``."""
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values() if hasattr(layers, "values") else layers or ())
+    if not blocks:
+        return None
+    top_k = next((m.top_k for m in blocks[0].modules() if isinstance(getattr(m, "top_k", None), int)), 1)
+    params = 0
+    for p in blocks[0].parameters():
+        if p.dim() == 2:
+            params += p.numel()
+        elif p.dim() == 3:  # (experts, ...): the experts a token goes through
+            params += p.numel() // p.shape[0] * top_k
+    return 6.0 * params if params else None
+
+
 # ---- the trainer -----------------------------------------------------------------------------
 class DtcpTrainer(Trainer):
     """torchtitan's Trainer with dtcp as its context parallelism (see the module docstring)."""
@@ -310,6 +333,20 @@ class DtcpTrainer(Trainer):
             raise ValueError("DtcpTrainer.Config needs a model_spec (e.g. llama3's model_registry('debugmodel'))")
         config.model_spec = dtcp_model_spec(config.model_spec, options)
         super().__init__(config)
+
+    def forward_backward_step(self, **kwargs):
+        """torchtitan's, with dtcp.config.layer_flops_per_token the model's (unless the user set it):
+        the default cost objective ("auto") then ranks each attention call as part of this step."""
+        flops = getattr(self, "_dtcp_layer_flops", None)
+        if flops is None:
+            flops = self._dtcp_layer_flops = layer_flops_per_token(self.model_parts[0]) or 0.0
+            if flops and dtcp.config.layer_flops_per_token is None:
+                logger.info(f"dtcp: layer_flops_per_token {flops:.4g} (the model's transformer block), for the cost "
+                            f"objective {dtcp.config.cost_objective!r}")
+        if not flops or dtcp.config.layer_flops_per_token is not None:
+            return super().forward_backward_step(**kwargs)
+        with dtcp.config.override(layer_flops_per_token=flops):
+            return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(self, input_dict, labels):
         """Document boundaries from the whole batch's positions, then inputs, labels and positions

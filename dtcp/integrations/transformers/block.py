@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from ...comm import state_of
+from ...config import config as dtcp_config
 from ...frontends.context import ContextParallelHandle
 from ...frontends.context import context_parallel as _sdpa_context_parallel
 from ...frontends.context import resolve_cp_mesh
 from ...layouts import Auto, Balanced, Layout, layout_from_spec
+from ...plan import decoder_layer_flops_per_token
 from ..._groups import cp_size_and_rank
 from . import _state
 from .attention_function import ATTN_IMPLEMENTATION
@@ -46,6 +48,44 @@ def _rope_types(params) -> list[str]:
             found += _rope_types(v)
         return found
     return []
+
+
+def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
+    """The FLOPs per token of one decoder layer's matmuls, forward + backward, from the model's
+    (text) config: what dtcp's "step" cost objective weighs each attention call's host time
+    against (dtcp.config.layer_flops_per_token). Mixture-of-experts configs count the experts a
+    token is routed to (``num_experts_per_tok`` MLPs of ``moe_intermediate_size``, else of
+    ``intermediate_size``) and shared experts (``shared_expert_intermediate_size``, or
+    ``n_shared_experts`` x ``moe_intermediate_size``); MLPs are taken as gated (Llama's). None
+    when the config lacks the sizes."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    ffn = getattr(text, "intermediate_size", None)
+    experts = getattr(text, "num_experts_per_tok", None)
+    expert_ffn = getattr(text, "moe_intermediate_size", None) or ffn
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    if isinstance(experts, int) and experts > 0 and isinstance(expert_ffn, int):
+        shared = getattr(text, "shared_expert_intermediate_size", None) or \
+            (getattr(text, "n_shared_experts", None) or 0) * expert_ffn
+        return decoder_layer_flops_per_token(hidden, expert_ffn, heads, kv_heads, head_dim,
+                                             experts_per_token=experts, shared_ffn=int(shared))
+    if not isinstance(ffn, int):
+        return None
+    return decoder_layer_flops_per_token(hidden, ffn, heads, kv_heads, head_dim)
+
+
+def _layer_work(model: torch.nn.Module):
+    """Within the block, dtcp.config.layer_flops_per_token is the model's (so that the default
+    cost objective, "auto", ranks each attention call as part of a training step), unless the user
+    set it; outside, what it was."""
+    flops = layer_flops_per_token(model)
+    if dtcp_config.layer_flops_per_token is not None or flops is None:
+        return contextlib.nullcontext()
+    return dtcp_config.override(layer_flops_per_token=flops)
 
 
 def check_model(model: torch.nn.Module) -> Optional[str]:
@@ -257,7 +297,7 @@ def context_parallel(
         # They get the batch's documents too.
         documents = {} if state.cu_seqlens is None else {"cu_seqlens": state.cu_seqlens}
         with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=batch_layout, backend=backend, strategy=strategy,
-                                    **documents):
+                                    **documents), _layer_work(model):
             yield HFContextParallel(mesh, pg, batch_layout, inputs)
         clean = True
     finally:
