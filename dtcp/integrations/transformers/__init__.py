@@ -18,7 +18,8 @@ What each piece does:
   ``dtcp.ring_attention`` with what transformers passes each layer: ``scaling``, ``is_causal``,
   the layer's own ``sliding_window`` (HF's ``W`` keys, the query included, is dtcp's
   ``window_size=(W - 1, 0)``), ``softcap`` (Gemma 2), ``s_aux`` (gpt-oss sinks, with gradient)
-  and ``cu_seq_lens_q`` (global document boundaries, which the block passes in). Outside a block
+  and the batch's global document boundaries, which the block hands it directly (not through the
+  model's keywords, which wrappers such as FSDP2 copy onto the GPU). Outside a block
   it is HF's eager attention over HF's own masks (sdpa's boolean masks), so the same model object
   trains without CP, evaluates and generates unchanged.
 * **the mask function**: outside a block HF's ``sdpa_mask``; inside one, no mask (dtcp builds

@@ -108,9 +108,11 @@ def _chunk_size(module: torch.nn.Module) -> Optional[int]:
 
 
 def _boundaries(state: _state._Active, query: torch.Tensor, cu_kwarg: Optional[torch.Tensor]):
-    """The global document boundaries of this attention call: the block's (its state), whether or
-    not the model forwarded them to the attention module; the model's ``cu_seq_lens_q`` keyword,
-    when it arrives, must be the block's own. Without a batch given to the block, the keyword."""
+    """The global document boundaries of this attention call: the block's (its state, never a model
+    keyword: models that do not forward **kwargs to their attention, and wrappers that copy them,
+    FSDP2 moving them to the GPU, would lose or change them). A ``cu_seq_lens_q`` keyword inside a
+    block that sharded a batch is the user's own: refused. Without a batch given to the block, the
+    keyword."""
     if state.shard is None:
         return cu_kwarg
     bsz, local = state.shard
@@ -122,12 +124,12 @@ def _boundaries(state: _state._Active, query: torch.Tensor, cu_kwarg: Optional[t
             "cache, or inputs other than cp.inputs), so dtcp cannot say which tokens it attends to across ranks. "
             "Call model(**cp.inputs) with the batch given to the block, and nothing else inside the block."
         )
-    if cu_kwarg is not None and cu_kwarg is not state.cu_seqlens:
+    if cu_kwarg is not None:
         raise ValueError(
             "attn_implementation='dtcp' inside dtcp.integrations.transformers.context_parallel got cu_seq_lens_q "
-            "that are not the block's document boundaries: pass the packed batch (position_ids, cu_seq_lens_q or "
-            "attention_mask) to the block, which computes the global boundaries, and call model(**cp.inputs) "
-            "without adding cu_seq_lens_q of your own."
+            "that are not the block's document boundaries (the block hands dtcp its own, not through the model): "
+            "pass the packed batch (position_ids, cu_seq_lens_q or attention_mask) to the block, which computes the "
+            "global boundaries, and call model(**cp.inputs) without adding cu_seq_lens_q of your own."
         )
     return state.cu_seqlens
 

@@ -285,7 +285,9 @@ def context_parallel(
     state.mask_windows = ()
     # The batch's boundaries and shard shape go to the attention function through the block's
     # state, so that they reach it even when the model does not forward **kwargs to its layers.
-    state.cu_seqlens = inputs.get("cu_seq_lens_q")
+    # (not a model keyword: a wrapper may hand the model copies of its keywords, e.g. FSDP2 moving
+    # them to the GPU, and a copy could not be told from boundaries of the user's own)
+    state.cu_seqlens = inputs.pop("cu_seq_lens_q", None)
     rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
     state.shard = (int(rows.shape[0]), int(rows.shape[1])) if batch is not None else None
     marker = _grad_marker(model)

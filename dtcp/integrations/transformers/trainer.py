@@ -300,10 +300,8 @@ class ContextParallelMixin:
         c = self.cp_config
         with context_parallel(base, self._cp_mesh, batch, mesh_dim="cp", layout=self._cp_layout, backend=c.backend,
                               strategy=c.strategy, check_batch=c.check_batch) as cp:
-            # The document boundaries reach dtcp's attention through the block's state; DDP/accelerate
-            # may hand the model copies of its keywords, and a copied cu_seq_lens_q is not the block's
-            # own (the attention function refuses it), so the model does not get the keyword at all.
-            yield {k: v for k, v in cp.inputs.items() if k != "cu_seq_lens_q"}
+            # (the document boundaries reach dtcp's attention through the block's state, not the inputs)
+            yield cp.inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         if not self._cp_on:
