@@ -300,8 +300,9 @@ class ContextParallelMixin:
         c = self.cp_config
         with context_parallel(base, self._cp_mesh, batch, mesh_dim="cp", layout=self._cp_layout, backend=c.backend,
                               strategy=c.strategy, check_batch=c.check_batch) as cp:
-            # (the document boundaries reach dtcp's attention through the block's state, not the inputs)
-            yield cp.inputs
+            # (a copy: the Trainer may pop keys; the document boundaries reach dtcp's attention
+            # through the block's state, not the inputs)
+            yield dict(cp.inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         if not self._cp_on:
