@@ -299,18 +299,26 @@ def explain_report(local_len=4096):
 def explain_reports():
     with dtcp.config.override(cost_objective="device"):
         device = explain_report(65536)
-    return [explain_report(n) for n in (1024, 65536)] + [device]
+    with dtcp.config.override(layer_flops_per_token=1.3e9):  # ("auto": the step objective)
+        step = explain_report(65536)
+    return [explain_report(n) for n in (1024, 65536)] + [device, step]
 
 
 def test_explain_is_the_same_on_every_rank():
     reports = run_ranks(2, explain_reports)
     assert reports[0] == reports[1]
-    short, long, device = (r.splitlines() for r in reports[0])
+    short, long, device, step = (r.splitlines() for r in reports[0])
     # the device objective says so, and predicts no more than the isolated call for any strategy
     assert device[-2] == "  (dtcp.config.cost_objective='device': the device's time alone, no host time counted)"
     call_times = {line.split()[0]: float(line.split()[2]) for line in long[1:-1]}
     device_times = {line.split()[0]: float(line.split()[2]) for line in device[1:-2]}
     assert set(device_times) == set(call_times) and all(device_times[s] <= call_times[s] for s in call_times)
+    # the step objective too, and its times lie between the two (max(device, host - W) <= the call's)
+    assert step[-2].startswith("  (cost objective 'step': each time is the call's share of a training step")
+    assert step[-2].endswith("dtcp.config.layer_flops_per_token = 1.3e+09)"), step[-2]
+    step_times = {line.split()[0]: float(line.split()[2]) for line in step[1:-2]}
+    assert set(step_times) == set(call_times), step
+    assert all(device_times[s] <= step_times[s] <= call_times[s] for s in call_times), (device_times, step_times)
     for lines in (short, long):
         assert lines[0].startswith("auto -> ")
         # meta tensors: the kernels a CUDA GPU of the shipped machine (compute capability 9.0) runs
