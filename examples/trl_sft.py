@@ -86,6 +86,12 @@ def reference_losses(dp: int) -> list[float]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    if torch.cuda.is_available():
+        # One GPU, this rank's: a Trainer that sees several outside torchrun wraps the model in
+        # nn.DataParallel, and then logs its loss times the GPU count (n_gpu; seen on 2 H100s: 2x).
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = devices[int(os.environ.get("LOCAL_RANK", 0))]
     argv = [a for a in sys.argv[1:] if a != "--check"] + ["--cp", "1", "--reference-dp", str(dp)]
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, check=True,
                          capture_output=True, text=True).stdout
