@@ -43,12 +43,6 @@ from dtcp.plan import decoder_layer_flops_per_token  # noqa: E402
 OBJECTIVES = ("call", "device", "step")
 
 
-def layer_flops_per_token(dim: int, ffn: int, q_heads: int, kv_heads: int, head_dim: int) -> float:
-    """`Layer`'s matmul FLOPs per token, forward + backward: what the "step" objective needs
-    (dtcp.config.layer_flops_per_token)."""
-    return decoder_layer_flops_per_token(dim, ffn, q_heads, kv_heads, head_dim)
-
-
 def objective_settings(objective: str, flops: float) -> dict:
     """dtcp.config settings of one objective ("step": with the layer's FLOPs per token)."""
     return dict(cost_objective=objective, layer_flops_per_token=flops if objective == "step" else None)
@@ -165,7 +159,7 @@ def replay(path: str, machine=None) -> list[dict]:
             q_heads, kv_heads = (int(x) for x in row["heads"].split("/"))
             layout = dtcp.Balanced(documents_of(row["mask"], row["seq"]))
             head_dim = row.get("head_dim", 128)
-            flops = layer_flops_per_token(row["dim"], row["ffn"], q_heads, kv_heads, head_dim)
+            flops = decoder_layer_flops_per_token(row["dim"], row["ffn"], q_heads, kv_heads, head_dim)
             rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, head_dim, run["world_size"], row["seq"],
                                               flops)))
     return rows
@@ -206,7 +200,7 @@ def main():
     layers = nn.ModuleList(Layer(args.dim, args.ffn, q_heads, kv_heads, args.head_dim) for _ in range(args.layers))
     layers = layers.to(device, dtype)
     x0 = torch.randn(1, args.seq // n, args.dim, device=device, dtype=dtype)
-    flops = layer_flops_per_token(args.dim, args.ffn, q_heads, kv_heads, args.head_dim)
+    flops = decoder_layer_flops_per_token(args.dim, args.ffn, q_heads, kv_heads, args.head_dim)
     rows = []
     for mask in args.masks:
         layout = dtcp.Balanced(documents_of(mask, args.seq))

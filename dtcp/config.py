@@ -103,6 +103,13 @@ class Config:
                              "DTCP_LAYER_FLOPS_PER_TOKEN, or use cost_objective 'auto'")
         return objective
 
+    def layer_work(self, flops: Optional[float]):
+        """A block in which layer_flops_per_token is `flops` (what the integrations read from the
+        model), unless it is set already (the user's value stands) or `flops` is None or 0."""
+        if not flops or self.layer_flops_per_token is not None:
+            return contextlib.nullcontext(self)
+        return self.override(layer_flops_per_token=flops)
+
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
             raise AttributeError(f"dtcp.config has no setting {name!r}; settings: "

@@ -242,8 +242,13 @@ def _kernel_s(machine: Machine, flops: float, rows: float, calls: int, kernel: O
         return device
     # Launches are asynchronous: the host's cost per call hides behind the GPU's work unless it
     # is the larger (many small calls: documents, short sequences; FA4's Python launches).
-    host = machine.host_of(kernel, backward) + extra_host_s * (1.0 if backward else 0.4)
-    return max(device, calls * host)
+    return max(device, calls * _launch_host_s(machine, kernel, backward, extra_host_s))
+
+
+def _launch_host_s(machine: Machine, kernel: Optional[str], backward: bool, extra_host_s: float = 0.0) -> float:
+    """Host seconds of one launch: the kernel's own (Machine.host_of) and `extra_host_s` of
+    bookkeeping per forward + backward (a ring step's), the forward's share of it alone."""
+    return machine.host_of(kernel, backward) + extra_host_s * (1.0 if backward else 0.4)
 
 
 def _flops(shape: CallShape, heads: float, pairs: float) -> float:
@@ -376,13 +381,10 @@ def _in_step(strategy: str, shape: CallShape, machine: Machine, outer: Optional[
 def host_s(strategy: str, shape: CallShape, machine: Machine) -> float:
     """The host's time to queue one call: its launches (the kernel's own host time per launch, a
     ring step's bookkeeping on the ring's) and the strategy's fixed cost per call (Machine.fixed_s)."""
-    kernel = shape.kernel_of(strategy)
-    per_launch = machine.host_of(kernel, shape.backward)
-    ring_step = machine.ring_launch_host_s * (1.0 if shape.backward else 0.4)
-    launches = {"ring": (shape.ring_calls, per_launch + ring_step), "allgather": (shape.allgather_calls, per_launch),
-                "ulysses": (shape.ulysses_calls, per_launch), "hybrid": (shape.hybrid_calls, per_launch + ring_step)}
-    calls, each = launches[strategy]
-    return calls * each + machine.fixed_of(strategy)
+    calls = {"ring": shape.ring_calls, "allgather": shape.allgather_calls, "ulysses": shape.ulysses_calls,
+             "hybrid": shape.hybrid_calls}[strategy]
+    step = machine.ring_launch_host_s if strategy in ("ring", "hybrid") else 0.0  # (as _ring charges its launches)
+    return calls * _launch_host_s(machine, shape.kernel_of(strategy), shape.backward, step) + machine.fixed_of(strategy)
 
 
 def _fixed(machine: Machine, strategy: str, shape: CallShape) -> float:

@@ -333,19 +333,15 @@ class DtcpTrainer(Trainer):
             raise ValueError("DtcpTrainer.Config needs a model_spec (e.g. llama3's model_registry('debugmodel'))")
         config.model_spec = dtcp_model_spec(config.model_spec, options)
         super().__init__(config)
+        self.dtcp_layer_flops = layer_flops_per_token(self.model_parts[0])
+        if self.dtcp_layer_flops and dtcp.config.layer_flops_per_token is None:
+            logger.info(f"dtcp: layer_flops_per_token {self.dtcp_layer_flops:.4g} (the model's transformer block), "
+                        f"for the cost objective {dtcp.config.cost_objective!r}")
 
     def forward_backward_step(self, **kwargs):
         """torchtitan's, with dtcp.config.layer_flops_per_token the model's (unless the user set it):
         the default cost objective ("auto") then ranks each attention call as part of this step."""
-        flops = getattr(self, "_dtcp_layer_flops", None)
-        if flops is None:
-            flops = self._dtcp_layer_flops = layer_flops_per_token(self.model_parts[0]) or 0.0
-            if flops and dtcp.config.layer_flops_per_token is None:
-                logger.info(f"dtcp: layer_flops_per_token {flops:.4g} (the model's transformer block), for the cost "
-                            f"objective {dtcp.config.cost_objective!r}")
-        if not flops or dtcp.config.layer_flops_per_token is not None:
-            return super().forward_backward_step(**kwargs)
-        with dtcp.config.override(layer_flops_per_token=flops):
+        with dtcp.config.layer_work(self.dtcp_layer_flops):
             return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(self, input_dict, labels):

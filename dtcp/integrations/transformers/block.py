@@ -78,16 +78,6 @@ def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
     return decoder_layer_flops_per_token(hidden, ffn, heads, kv_heads, head_dim)
 
 
-def _layer_work(model: torch.nn.Module):
-    """Within the block, dtcp.config.layer_flops_per_token is the model's (so that the default
-    cost objective, "auto", ranks each attention call as part of a training step), unless the user
-    set it; outside, what it was."""
-    flops = layer_flops_per_token(model)
-    if dtcp_config.layer_flops_per_token is not None or flops is None:
-        return contextlib.nullcontext()
-    return dtcp_config.override(layer_flops_per_token=flops)
-
-
 def check_model(model: torch.nn.Module) -> Optional[str]:
     """Why `model` cannot run under dtcp's context parallelism, or None. Depends on the model's
     configuration only, so it is the same on every rank."""
@@ -299,7 +289,9 @@ def context_parallel(
         # They get the batch's documents too.
         documents = {} if state.cu_seqlens is None else {"cu_seqlens": state.cu_seqlens}
         with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=batch_layout, backend=backend, strategy=strategy,
-                                    **documents), _layer_work(model):
+                                    **documents), dtcp_config.layer_work(layer_flops_per_token(model)):
+            # (the model's layer work, unless the user set it: the default cost objective, "auto",
+            # then ranks each attention call as part of a training step)
             yield HFContextParallel(mesh, pg, batch_layout, inputs)
         clean = True
     finally:
