@@ -317,7 +317,7 @@ def test_a_ring_pass_never_waits_for_the_device(case, layout, n, size):
                 fwd, bwd = B.job_passes(job, torch.device("cuda"), torch.bfloat16, D ** -0.5)
                 bwd(fwd())  # (first use: the plan's launches and their index tensors are made)
                 torch.cuda.synchronize()
-                torch.cuda._sleep(int(1000 * B.Timer._cycles_per_ms()))
+                torch.cuda._sleep(int(1000 * B.sleep_cycles_per_ms()))
                 slept = torch.cuda.Event()
                 slept.record()
                 bwd(fwd())
