@@ -12,6 +12,7 @@ import dtcp
 from dtcp.plan import AttnMask, ring_plans
 from dtcp.plan import mask as mask_module
 from dtcp.plan.mask import Task, coalesce_full
+from sim_ranks import segments_of
 
 
 def coalesce_full_by_rescanning(tasks: list[Task]) -> list[Task]:
@@ -82,11 +83,7 @@ def test_plans_unchanged(layout, docs, n, monkeypatch):
     if layout == "doczigzag":
         seq_len, segments = lay.padded_len(n), lay.segments(n)
     else:
-        seq_len = sum(docs) + (-sum(docs)) % lay.multiple(n)
-        segments, pos = [], 0
-        for d in docs:
-            segments.append((pos, pos + d))
-            pos += d
+        seq_len, segments = sum(docs) + (-sum(docs)) % lay.multiple(n), segments_of(docs)
     mask = AttnMask.make(True, (-1, -1), tuple(segments))
     ring_plans.cache_clear()
     fast = ring_plans(lay, seq_len // n, n, True, mask)
