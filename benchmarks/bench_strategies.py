@@ -17,6 +17,11 @@ and the packed batches layout="auto" shards with `Balanced`: "docs-balanced" (th
 floor, and a log-normal fitted to English Wikipedia's token lengths). `--masks`, `--lengths` and
 `--heads` narrow the grid (e.g. `--masks docs-balanced pareto lognormal --lengths 32768 131072`).
 
+`--one-gpu` also times the whole sequence on one GPU (rank 0's, the other ranks waiting) with the
+best kernel there is (bench_split.py's reference: FlashAttention-4 where it is installed, one dense
+call or one varlen call over the documents) and prints each strategy's split = (one GPU / N) /
+its time: 1.0 = N GPUs finish the call N times faster than one, communication included.
+
 `--host-hidden` also times each call with its host hidden: every rank queues it behind a GPU sleep
 of the same length (agreed by all ranks, longer than any rank's host takes to queue the call) and
 an all-reduce that lets the GPUs leave the sleep together. That is the call's device time, what it
@@ -141,6 +146,33 @@ def mask_call(mask: str, s: int):
     return (dtcp.Balanced(lens) if mask in BALANCED else dtcp.Zigzag()), (-1, 0), cu
 
 
+def one_gpu(s, hq, hkv, mask, device, iters, rank) -> float:
+    """Seconds of one forward + backward of the whole sequence on rank 0's GPU with the best kernel
+    (bench_split.reference), the same on every rank (broadcast); the other ranks wait meanwhile."""
+    import bench_split
+
+    t = torch.zeros(1, device=device, dtype=torch.float64)
+    if rank == 0:
+        _, window, cu = mask_call(mask, s)
+        docs = None if cu is None else tuple(b - a for a, b in zip(cu, cu[1:]))
+        case = bench_split.Case(mask, mask, s, (), docs=docs, window=window[0] if mask == "window" else -1)
+        timer = bench_split.Timer(device, warmup=2, iters=iters, point_seconds=0.3)
+        res = bench_split.reference(case, hq, hkv, 128, device, torch.bfloat16, timer, "auto")
+        t.fill_(res["ms"] / 1e3)
+        torch.cuda.empty_cache()
+    dist.broadcast(t, 0)
+    return t.item()
+
+
+def splits(row: dict, n: int) -> dict:
+    """Each measured strategy's split, (one GPU / N) / its time, and auto's pick's (row["one_gpu"])."""
+    ideal = row["one_gpu"] / n
+    out = {k: ideal / t for k, t in row["measured"].items()}
+    if row["pick"] in row["measured"]:
+        out["auto"] = out[row["pick"]]
+    return out
+
+
 def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
     layout, window, cu = mask_call(mask, s)
     kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
@@ -233,6 +265,19 @@ def summary(rows: list[dict], times: str = "measured") -> str:
             f"{statistics.median(errors):.0%}, worst {max(errors):.0%}")
 
 
+def split_summary(rows: list[dict], n: int) -> str:
+    """auto's split per point, (one GPU / N) / the time of its pick, with the best strategy's."""
+    lines = [f"split = (one GPU / {n}) / time, communication included (1.0: nothing lost to the split):"]
+    for row in rows:
+        if not row.get("one_gpu"):
+            continue
+        sp = splits(row, n)
+        best = max((k for k in sp if k != "auto"), key=sp.get)
+        lines.append(f"  S={row['S']:>6} heads {row['heads']:<5} {row['mask']:<13} one GPU {row['one_gpu'] * 1e3:8.2f} ms"
+                     f" | auto ({row['pick']}) {sp.get('auto', float('nan')):.3f}, best ({best}) {sp[best]:.3f}")
+    return "\n".join(lines)
+
+
 def print_row(row: dict) -> None:
     best = min(row["measured"], key=row["measured"].get)
     cells = "  ".join(f"{k} {row['measured'][k] * 1e3:8.2f} ms (model {row['predicted'][k] * 1e3:8.2f})"
@@ -271,6 +316,8 @@ def main():
     p.add_argument("--heads", nargs="+", default=None, help="q/kv pairs, e.g. 32/8 32/32")
     p.add_argument("--host-hidden", action="store_true",
                    help="also time each call with its host hidden (behind a GPU sleep on every rank): its device time")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="also time the whole sequence on one GPU (FA4 where installed) and print each strategy's split")
     args = p.parse_args()
     device = init_distributed("cuda")
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -289,6 +336,8 @@ def main():
     rows = []
     for s, (hq, hkv), mask in grid:
         row = point(s, hq, hkv, mask, device, args.iters, n, rank, args.host_hidden)
+        if args.one_gpu:
+            row["one_gpu"] = one_gpu(s, hq, hkv, mask, device, args.iters, rank)
         rows.append(row)
         if rank == 0:
             print_row(row)
@@ -296,6 +345,8 @@ def main():
         print("\n" + summary(rows))
         if args.host_hidden:
             print(summary(rows, "device"))
+        if args.one_gpu:
+            print(split_summary(rows, n))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows}, f, indent=1)
