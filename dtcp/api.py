@@ -29,7 +29,7 @@ from .layouts import (
     Auto, Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
-from .plan.cost import DOCUMENTS, machine_for
+from .plan.cost import machine_for
 
 
 def ring_attention(
@@ -333,8 +333,7 @@ def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None,
     ``strategy="auto"`` and ``dtcp.explain`` use from then on. Measured: a ring transfer, a matmul, an
     all-to-all, a tiny all-to-all (latency), a device copy, every available kernel's rate on a long
     square causal block, the auto kernel at two block lengths, and each strategy's fixed host cost
-    per call (a small call of each, less what the model predicts for it; once causal and once over
-    packed documents, which calls over documents are charged). The slowest rank's
+    per call (a small call of each, less what the model predicts for it). The slowest rank's
     figures are kept, so every rank decides alike. Returns the `dtcp.plan.Machine`. `options`:
     heads, head_dim, seq_len, transfer_bytes, repeats (dtcp/exec/calibrate.py). Calls after it
     build their routes anew (routes are keyed by the constants); a function compiled before keeps
@@ -351,44 +350,26 @@ def calibrate(group: GroupLike = None, *, device: Optional[torch.device] = None,
     return machine
 
 
-def _fixed_costs(pg, n: int, device: torch.device, dtype: torch.dtype, machine, repeats: int = 9) -> tuple:
+def _fixed_costs(pg, n: int, device: torch.device, dtype: torch.dtype, machine) -> tuple:
     """(strategy, seconds) each strategy's small call takes beyond the model's prediction for it:
-    its host cost (Python, launches, synchronisation) that no byte or flop count shows. Measured
-    on two small calls: causal on zigzag (the entries named by strategy) and a packed long-tailed
-    document mix on `Balanced` (the "<strategy>+documents" entries, which calls over documents
-    take: their bookkeeping differs, and on 4 H200s a ring call over documents spent 1-3 ms more
-    than the zigzag call's residual said)."""
+    its host cost (Python, launches, synchronisation) that no byte or flop count shows."""
     local, heads, head_dim = 512, 8, 64
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, local, head_dim, device=device, dtype=dtype, generator=g) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    names, measured = [], []
-    # (min_chunk 64: the mix's longest documents are cut over ranks, as a long batch's are at 512)
-    for suffix, layout in (("", Zigzag()), (DOCUMENTS, Balanced(_calibration_documents(n * local), min_chunk=64))):
-        spec, cu = op_layout(layout)
-        args = CallArgs("", spec, True, default_scale(head_dim), "auto", -1, -1, "auto")
-        with config.override(cost_machine=machine):
-            _, preds = _explain(q, k, v, args, cu, n, group_rank(pg), backward=True)
-        for p in preds:
-            def step(strategy=p.strategy, layout=layout):
-                out = ring_attention(q, k, v, pg, layout=layout, is_causal=True, strategy=strategy)
-                out.backward(dout)
+    layout = Zigzag()
+    args = CallArgs("", layout.spec(), True, default_scale(head_dim), "auto", -1, -1, "auto")
+    with config.override(cost_machine=machine):
+        _, preds = _explain(q, k, v, args, None, n, group_rank(pg), backward=True)
+    predicted = {p.strategy: p.total_s for p in preds}
+    measured = []
+    for strategy in predicted:
+        def step():
+            out = ring_attention(q, k, v, pg, layout=layout, is_causal=True, strategy=strategy)
+            out.backward(dout)
 
-            names.append(p.strategy + suffix)
-            measured.append(max(0.0, timed(step, device, repeats) - p.total_s))
-    return tuple(zip(names, slowest(measured, pg, device)))
-
-
-def _calibration_documents(total: int) -> tuple[int, ...]:
-    """A long-tailed packed mix of `total` tokens: 3/8 of them in one document, then documents of
-    half the length before, down to 64 tokens, and 64-token documents to fill (the last shorter)."""
-    lens, left, share = [], total, total * 3 // 8
-    while left:
-        take = min(left, max(64, share))
-        lens.append(take)
-        left -= take
-        share //= 2
-    return tuple(lens)
+        measured.append(max(0.0, timed(step, device, 5) - predicted[strategy]))
+    return tuple(zip(predicted, slowest(measured, pg, device)))
 
 
 def _strategy_from_alias(strategy: str, kv_exchange: Optional[str]) -> str:

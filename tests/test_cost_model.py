@@ -218,39 +218,6 @@ def test_fa4_launches_are_host_bound_where_the_device_has_little_work():
     assert ag.kernel_s < 2 * host
 
 
-def test_calls_over_documents_take_their_own_fixed_cost():
-    """Machine.fixed_s holds a fixed host cost per strategy for causal calls and one for calls over
-    packed documents ("ring+documents"; dtcp.calibrate measures both): call_shape marks the call,
-    the prediction adds the matching entry (the plain one where a machine has no documents entry,
-    as the calibrations on record)."""
-    from dtcp.api import op_layout
-    from dtcp.plan.cost import machine_for
-
-    base = dataclasses.replace(machine_for(None), fixed_s=())
-    machine = dataclasses.replace(base, fixed_s=(("ring", 1e-3), ("ring+documents", 4e-3), ("allgather", 2e-3)))
-    assert machine.fixed_of("ring") == 1e-3 and machine.fixed_of("ring", documents=True) == 4e-3
-    assert machine.fixed_of("allgather", documents=True) == 2e-3 and machine.fixed_of("ulysses", True) == 0.0
-
-    n, total = 4, 8192
-    lens = long_tailed(total, seed=3)
-    q, k, v, _, _ = meta_call(n, "zigzag", total=total)
-
-    def predictions(m, layout, cu=None):
-        spec, cu = op_layout(layout, cu)
-        args = route.CallArgs("", spec, True, default_scale(128), "auto", -1, 0, "auto")
-        assert route.call_shape(q, k, v, args, route._problem(q, args, cu, _Group(n), None))[0].documents \
-            == (cu is not None)
-        with dtcp.config.override(cost_machine=m):
-            return {p.strategy: p.total_s for p in route.explain(q, k, v, args, cu, n, 0)[1]}
-
-    for layout, cu, extra in ((dtcp.Balanced(lens), None, 4e-3), (dtcp.Zigzag(), None, 1e-3),
-                              (dtcp.Zigzag(), cu_of(lens), 4e-3)):
-        with_fixed, without = predictions(machine, layout, cu), predictions(base, layout, cu)
-        assert with_fixed["ring"] - without["ring"] == pytest.approx(extra), layout
-        assert with_fixed["allgather"] - without["allgather"] == pytest.approx(2e-3), layout
-        assert with_fixed["ulysses"] == pytest.approx(without["ulysses"]), layout
-
-
 def test_calibrate_measures_a_launch_s_host_time():
     """dtcp.calibrate's launch_host_s: host seconds of one varlen launch's forward + backward,
     positive and finite (measured here with the CPU's math kernel, which loops over sequences)."""

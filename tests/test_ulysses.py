@@ -357,11 +357,7 @@ def test_calibrate_measures_the_same_constants_on_every_rank():
     results = run_ranks(2, calibrated, timeout=300)
     assert results[0]["fields"] == results[1]["fields"]  # the slowest rank's figures, everywhere
     fields = dict(results[0]["fields"])
-    # each strategy's fixed cost on a causal call and on a packed-document call (Machine.fixed_of);
-    # no "allgather+documents" here: the all-gather takes documents only through a one-launch varlen
-    # kernel, which the CPU has not
-    assert fields.pop("fixed") == ("allgather", "ring", "ring+documents", "ulysses", "ulysses+documents")
-    assert fields.pop("kernels") == ("cpu_flash",)
+    assert fields.pop("fixed") == ("allgather", "ring", "ulysses") and fields.pop("kernels") == ("cpu_flash",)
     assert fields.pop("launch_host") == ("fa4",), results[0]
     assert fields.pop("fixed_positive") and fields.pop("rates_positive"), results[0]
     assert all(math.isfinite(v) and v > 0 for v in fields.values()), results[0]

@@ -478,7 +478,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
                       **ring_fields, allgather_pairs=ag_pairs,
                       allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
-                      documents=problem.has_documents, **_objective_fields())
+                      **_objective_fields())
     return shape, allowed
 
 

@@ -50,8 +50,6 @@ from typing import Optional
 from .mask import Task
 
 HEAD_STRATEGIES = ("ulysses", "hybrid")  # heads are exchanged for tokens first
-#: the suffix of a `Machine.fixed_s` entry for calls over packed documents ("ring+documents")
-DOCUMENTS = "+documents"
 
 
 @dataclass(frozen=True)
@@ -67,9 +65,7 @@ class Machine:
     call_overhead_s: float  # host time per kernel call
     memory_bytes_per_s: float  # device memory, for reordering copies (read + write counted)
     kernel_rates: tuple = ()  # (kernel name, fwd+bwd flops/s on long square causal blocks), where known
-    # (strategy, host seconds per call beyond its kernels and transfers); "<strategy>+documents"
-    # entries for calls over packed documents (fixed_of)
-    fixed_s: tuple = ()
+    fixed_s: tuple = ()  # (strategy, host seconds per call beyond its kernels and transfers)
     # Device time each kernel launch adds beyond its flops (its grid's ramp-up and tail, the merge
     # after a ring launch), per pass. PROVISIONAL: 15 us is an estimate, not a measurement; the
     # per-rank runs of benchmarks/bench_split.py are to measure it (issue 23).
@@ -103,14 +99,8 @@ class Machine:
             return self.call_overhead_s * (3 if backward else 1.5)
         return pair if backward else pair * 0.4  # (the forward's share of a launch pair, measured ~0.4)
 
-    def fixed_of(self, strategy: str, documents: bool = False) -> float:
-        """A call's host seconds beyond its kernels and transfers. Calls over packed documents
-        take the "<strategy>+documents" entry where there is one (dtcp.calibrate measures both:
-        their bookkeeping differs, and on 4 H200s the ring's differed by 1-3 ms a call)."""
-        fixed = dict(self.fixed_s)
-        if documents and f"{strategy}{DOCUMENTS}" in fixed:
-            return fixed[f"{strategy}{DOCUMENTS}"]
-        return fixed.get(strategy, 0.0)
+    def fixed_of(self, strategy: str) -> float:
+        return dict(self.fixed_s).get(strategy, 0.0)
 
 
 # One H200 on NVLink, torch 2.11: ring transfers ~295 GB/s per direction, cuDNN/FA4 ~540-600
@@ -159,7 +149,6 @@ class CallShape:
     # backward, and its dK/dV shares (0 for the ring step by step)
     ring_copy_bytes: float = 0
     ring_steps_per_launch: int = 1  # received blocks per launch (exec/grouped.py; 1: step by step)
-    documents: bool = False  # packed documents (cu_seqlens, or a layout that carries them): Machine.fixed_of
     # The host runs ahead of the device (dtcp.config.cost_objective = "device": a training step whose
     # other layers keep the GPU busy): host time per launch and per call is hidden, the device's counts
     host_hidden: bool = False
@@ -395,14 +384,13 @@ def host_s(strategy: str, shape: CallShape, machine: Machine) -> float:
     calls = {"ring": shape.ring_calls, "allgather": shape.allgather_calls, "ulysses": shape.ulysses_calls,
              "hybrid": shape.hybrid_calls}[strategy]
     step = machine.ring_launch_host_s if strategy in ("ring", "hybrid") else 0.0  # (as _ring charges its launches)
-    return (calls * _launch_host_s(machine, shape.kernel_of(strategy), shape.backward, step)
-            + machine.fixed_of(strategy, shape.documents))
+    return calls * _launch_host_s(machine, shape.kernel_of(strategy), shape.backward, step) + machine.fixed_of(strategy)
 
 
 def _fixed(machine: Machine, strategy: str, shape: CallShape) -> float:
     """A call's host seconds beyond its kernels and transfers (Machine.fixed_s); none when the
     host runs ahead (CallShape.host_hidden)."""
-    return 0.0 if shape.host_hidden else machine.fixed_of(strategy, shape.documents)
+    return 0.0 if shape.host_hidden else machine.fixed_of(strategy)
 
 
 def rank(strategies, shape: CallShape, machine: Machine) -> list[Prediction]:
