@@ -301,10 +301,18 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     # The 32K half again on a second 4x H100 machine: the same code's wall times moved by up to 21%
     # (the ring on Pareto 32/8: 9.26 -> 11.24 ms), and auto was within 5% at 7 of 12 (10 of 12 above)
     ("strategies_4xh100_2026-11-27h.json", None, 12, 7),
+    # 4x and 2x H200 (sixteenth session, two machines; causal and the three document mixes at 32K
+    # and 128K, 32/8 heads): machine 1's calibration put the ring's fixed host cost at 0.87 ms (3.61
+    # on machine 2) and at 32K auto took the ring over the three document mixes, at 1.6-2.1x the
+    # all-gather's time; every other point within 5%
+    ("strategies_4xh200_2026-11-28.json", None, 8, 5),
+    ("strategies_2xh200_2026-11-28.json", None, 8, 8),
+    ("strategies_4xh200_2026-11-28b.json", None, 8, 8),
+    ("strategies_2xh200_2026-11-28b.json", None, 8, 8),
 ])
 def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
-    on measured runs with the real transfers (2x and 4x H100, FA4, 2026-11-26 and 27), for the
+    on measured runs with the real transfers (2x and 4x H100 and H200, FA4, 2026-11-26 to 28), for the
     points whose layout this checkout still places as it was measured. Runs "c" and "d" of the
     2x H100 (packed documents on Balanced at 32K, 64K and 128K; "d" with varlen gaps, on another
     machine) were taken with this local order: auto within 5% of the best at 7 and 6 of 9 points
@@ -359,6 +367,14 @@ def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     # ring taken over a Ulysses whose compute is faster, at N = 2-8
     ("split_h100_2026-11-27_landing_a.json.gz", 20, 0, 14, 20),
     ("split_h100_2026-11-27_landing_b.json.gz", 16, 0, 12, 14),
+    # the issue's grid on one H200 per slice (sixteenth session, the fifteenth's code; 200 s a slice,
+    # so the s1 mixes and N = 16 of the s0 mixes were not reached): causal 32K, window, 16 x 8K;
+    # causal 128K; Pareto s0; log-normal s0. The misses: the ring over a Ulysses whose compute is
+    # faster (its all-to-alls, which the model charges, are not run on one GPU)
+    ("split_h200_2026-11-28_grid_0.json.gz", 20, 0, 14, 19),
+    ("split_h200_2026-11-28_grid_1.json.gz", 4, 0, 2, 4),
+    ("split_h200_2026-11-28_grid_2.json.gz", 8, 0, 7, 8),
+    ("split_h200_2026-11-28_grid_3.json.gz", 8, 0, 6, 6),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
     """benchmarks/bench_split.py's replay (this checkout's model, on meta tensors) of the packed-
