@@ -375,7 +375,7 @@ def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     ("split_h200_2026-11-28_grid_1.json.gz", 4, 0, 2, 4),
     ("split_h200_2026-11-28_grid_2.json.gz", 8, 0, 7, 8),
     ("split_h200_2026-11-28_grid_3.json.gz", 8, 0, 6, 6),
-    # and the s1 mixes on a fourth machine (ring, all-gather, Ulysses; zigzag and Balanced; N = 2, 4 | 8)
+    # and the s1 mixes on a fifth machine (ring, all-gather, Ulysses; zigzag and Balanced; N = 2, 4 | 8)
     ("split_h200_2026-11-28_s1_0.json.gz", 4, 0, 2, 4),
     ("split_h200_2026-11-28_s1_1.json.gz", 2, 0, 1, 2),
     ("split_h200_2026-11-28_s1_2.json.gz", 4, 0, 2, 4),
