@@ -54,6 +54,17 @@ def test_splits_and_their_summary():
     sp = bench_strategies.splits(row, 4)
     assert sp["ring"] == pytest.approx(0.8) and sp["allgather"] == pytest.approx(0.625)
     assert sp["ulysses"] == pytest.approx(10 / 11) and sp["auto"] == sp["ring"]
-    text = bench_strategies.split_summary([row, dict(row, one_gpu=None)], 4)
+    text = bench_strategies.split_summary([row, dict(row, one_gpu=None), dict(row, one_gpu=math.nan)], 4)
     assert text.count("S= 32768") == 1
     assert "auto (ring) 0.800, best (ulysses) 0.909" in text
+
+
+def test_a_failing_reference_is_nan_on_every_rank_not_a_hang(one_rank, monkeypatch, capsys):
+    """Rank 0's reference failing (out of memory at the longest lengths) gives NaN, broadcast to
+    every rank, and is printed: the other ranks must not wait in the broadcast for a value."""
+    def fails(*a, **kw):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench_split, "reference", fails)
+    assert math.isnan(bench_strategies.one_gpu(512, 4, 2, "causal", torch.device("cpu"), 1, 0))
+    assert "one GPU failed at S=512 causal: RuntimeError: CUDA out of memory (simulated)" in capsys.readouterr().out
