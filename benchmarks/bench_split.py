@@ -33,13 +33,21 @@ its varlen call for documents, when importable; else dtcp's "auto" kernel):
   work        = visible (query, key) pairs x query heads per rank, from the plans (exact, no timing)
   peak MiB    = torch.cuda.max_memory_allocated during one rank's runs (its inputs included)
 
-Where the time goes (each rank's pass run again behind a GPU sleep, so that the host queues it
-all before the device starts: `Timer.device_pass`), for the rank slowest on the device:
-  device      = (one device / N) / slowest rank's device time (host gaps left out: split_device)
-  kern eff    = its attention calls against the one-device call's rate on the same work
-  other ms    = its device time outside the attention calls (dtcp's merges, adds, copies, fills)
-  host ms     = its host time to queue the pass; bound "host" where that exceeds the device time,
-                "sync" where the pass waits for the device (a synchronizing call inside it)
+Where the time goes, in the GPU's loaded state (`Timer.steady_pass`: each pass queued right behind
+another and timed from that one's end, as inside a training loop; the one device's pass alike),
+for the rank slowest there:
+  steady      = (one device's steady time / N) / that rank's (split_steady: like for like, the
+                first launch's host latency hidden behind the pass before)
+  attn eff    = its attention calls against the one-device pass's on its share of the work
+  other ms    = its steady time outside the attention calls (dtcp's merges, adds, copies, fills,
+                and the host's gaps where it queues slower than the device runs)
+  host ms     = its host time to queue the pass (`Timer.device_pass`, behind a GPU sleep); bound
+                "host" where that exceeds its device time there, "sync" where the pass waits for
+                the device (a synchronizing call inside it), else "device"
+`Timer.device_pass`'s figures (device_ms behind a sleep: split_device, kernel_efficiency,
+other_ms) stay in the JSON. They are a rested GPU's: at its power cap an H200 runs the 10-60 ms
+after a sleep at a higher clock (the one-GPU causal 32K pass 44.2 ms after a 30 ms sleep, 49.1
+back to back), which favours a rank's short pass over the one device's long one.
 
 Auto check: for every (case, heads, N, layout), the strategy `strategy="auto"` would pick (the
 cost model's ranking, `dtcp.exec.route.explain`, which `dtcp.explain` calls; on CUDA with CUDA
@@ -471,6 +479,8 @@ def _tasks(plan):
 SHORT_RUNS_CAP = 8
 #: Timer.device_pass's runs per rank (medians)
 DEVICE_REPS = 3
+#: Timer.steady_pass's runs per rank (medians)
+STEADY_REPS = 5
 
 
 _CYCLES_PER_MS: list = []
@@ -599,6 +609,45 @@ class Timer:
 
 
 
+    def steady_pass(self, fwd: Callable, bwd: Callable, kernel, reps: int = STEADY_REPS) -> dict:
+        """A pass in the GPU's loaded state, as inside a training loop: queued right behind another
+        pass (no synchronisation between them), timed from the end of the one before to its own end
+        (CUDA events; median of `reps`):
+
+          steady_ms       its device time, plus whatever gaps the host leaves where it queues slower
+                          than the device runs (its first launch's latency is hidden behind the pass
+                          before, as a model's earlier layers hide it)
+          steady_attn_ms  its attention calls' own time (events around each), in the same state
+
+        Why not only Timer.device_pass: its sleep rests the GPU, and at its power cap an H200 runs
+        the next 10-60 ms at a higher clock (the one-GPU causal 32K pass: 44.2 ms after a 30 ms
+        sleep, 49.1 ms back to back), which favours a rank's short pass over the one device's long
+        one; Timer.measure's runs each start from an idle device, so they count the first launch's
+        host latency. On CPU: the second pass's wall time and its calls' own."""
+        if not self.cuda:
+            bwd(fwd())
+            spent: list = []
+            with timing_calls(kernel, spent, cuda=False):
+                t0 = time.perf_counter()
+                bwd(fwd())
+                wall = (time.perf_counter() - t0) * 1e3
+            return dict(steady_ms=wall, steady_attn_ms=sum(spent))
+        rows = []
+        for _ in range(reps):
+            self._sync()
+            bwd(fwd())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()  # (reached when the pass before ends on the device)
+            spent = []
+            with timing_calls(kernel, spent, cuda=True):
+                bwd(fwd())
+            end.record()
+            end.synchronize()
+            rows.append((start.elapsed_time(end), sum(e0.elapsed_time(e1) for e0, e1 in spent)))
+        steady, attn = (statistics.median(col) for col in zip(*rows))
+        return dict(steady_ms=steady, steady_attn_ms=attn)
+
+
 def timing_calls(kernel, spent: list, cuda: bool):
     """While inside, every attention call of `kernel` appends its own time to `spent`: a pair of
     CUDA events (read after a synchronize) or, on CPU, its wall milliseconds. A call made inside
@@ -666,6 +715,7 @@ def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bo
     with local_collectives():
         res = timer.measure(fwd, bwd, first)
         res.update(timer.device_pass(fwd, bwd, job.kernel))
+        res.update(timer.steady_pass(fwd, bwd, job.kernel))
         if profile:
             res["profile"] = profile_once(fwd, bwd, device, f"rank {job.rank} (work {job.work})")
     res.update(launches_fwd=counts["fwd"], launches_bwd=counts["bwd"], rank=job.rank, weight=job.weight, work=job.work)
@@ -779,6 +829,7 @@ def reference(case: Case, hq: int, hkv: int, d: int, device, dtype, timer: Timer
 
     res = timer.measure(fwd, bwd, first)
     res.update(timer.device_pass(fwd, bwd, kernel))
+    res.update(timer.steady_pass(fwd, bwd, kernel))
     res.update(kernel=kernel.name, launches_fwd=counts["fwd"], launches_bwd=counts["bwd"])
     if why is not None:
         res["fa4_unavailable"] = why
@@ -869,15 +920,19 @@ def summarize(jobs_res: list[dict], one_ms: float, one_fwd_ms: float, n: int) ->
 
 
 def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> dict:
-    """Which bound holds at a point (Timer.device_pass's figures), for the rank slowest on the device:
+    """Where a point's time goes, in the GPU's loaded state (Timer.steady_pass's figures, the one
+    device's pass measured alike), for the rank slowest there:
 
-      split_device       (one device / N) / slowest rank, device time alone (host gaps left out)
-      kernel_efficiency  that rank's attention calls against the one-device call's rate on its work
-                         (1.0 = as fast per pair as the whole sequence in one call)
-      other_ms           its device time outside the attention calls (merges, adds, copies, fills)
-      host_ms            its host time to queue the pass; bound = "host" where the slowest rank's
-                         host time exceeds its device time, "sync" where a rank's pass waits for
-                         the device (Timer.device_pass: host_waits), else "device"."""
+      split_steady       (one device's steady time / N) / that rank's steady time
+      attn_efficiency    its attention calls against the one-device pass's on its share of the
+                         work (1.0 = as fast per pair as the whole sequence in one call)
+      steady_other_ms    its steady time outside the attention calls (merges, adds, copies,
+                         fills; and the host's gaps where it queues slower than the device runs)
+
+    And Timer.device_pass's (behind a GPU sleep: a rested clock, module docstring), for the rank
+    slowest there: split_device, kernel_efficiency, other_ms, host_ms (its host time to queue the
+    pass), and bound: "sync" where a rank's pass waits for the device (host_waits), "host" where
+    the wall-slowest rank's host time exceeds its device time there, else "device"."""
     slow = max(jobs_res, key=lambda r: r["device_ms"])
     wall = max(jobs_res, key=lambda r: r["ms"])
     share = slow["work"] / total_work if total_work else 1.0 / n
@@ -887,13 +942,28 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
     # pass measured 8% slower there).
     one_device = min(ref["ms"], ref["device_ms"])
     ideal_kernel = min(ref["kernel_ms"], ref["ms"]) * share
-    return dict(
+    out = dict(
         slowest_device_ms=slow["device_ms"], split_device=(one_device / n) / slow["device_ms"],
         device_rank=slow["rank"], kernel_ms=slow["kernel_ms"], other_ms=slow["device_ms"] - slow["kernel_ms"],
         host_ms=slow["host_ms"], kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
-        bound="sync" if any(r.get("host_waits") for r in jobs_res)
-        else "host" if wall["host_ms"] > wall["device_ms"] else "device",
     )
+    steady = ref.get("steady_ms") is not None and all(r.get("steady_ms") is not None for r in jobs_res)
+    if steady:
+        slow_steady = max(jobs_res, key=lambda r: r["steady_ms"])
+        steady_share = slow_steady["work"] / total_work if total_work else 1.0 / n
+        ideal_attn = ref["steady_attn_ms"] * steady_share
+        out.update(
+            steady_ms=slow_steady["steady_ms"], steady_rank=slow_steady["rank"],
+            split_steady=(ref["steady_ms"] / n) / slow_steady["steady_ms"],
+            steady_attn_ms=slow_steady["steady_attn_ms"],
+            steady_other_ms=slow_steady["steady_ms"] - slow_steady["steady_attn_ms"],
+            attn_efficiency=ideal_attn / slow_steady["steady_attn_ms"] if slow_steady["steady_attn_ms"] else None,
+        )
+    # The host's time to queue the pass against the least the device needs for it (rested). (Not
+    # the steady time: where the host bounds, the steady time is the host's pace plus a little.)
+    out["bound"] = ("sync" if any(r.get("host_waits") for r in jobs_res)
+                    else "host" if wall["host_ms"] > wall["device_ms"] else "device")
+    return out
 
 
 def strategy_variants(case: Case, layout_name: str, n: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -973,8 +1043,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.replay:
         return replay(args.replay, args.min_chunk)
-    if args.plot_from:
-        with open(args.plot_from) as f:
+    if args.plot_from:  # (a stored result is gzipped: benchmarks/results/*.json.gz)
+        with (gzip.open(args.plot_from, "rt") if args.plot_from.endswith(".gz") else open(args.plot_from)) as f:
             results = json.load(f)
         results["auto_summary"] = auto_summary(results)
         plot(results, args.plot or os.path.splitext(args.plot_from)[0] + ".png")
@@ -1036,11 +1106,12 @@ def main(argv=None) -> dict:
             results["cases"][-1].setdefault("one_device", {})[hlabel] = ref
             print(f"\n== {case.name} ({case.mask}, S={case.seq_len}"
                   f"{'' if case.docs is None else f', {len(case.docs)} documents, longest {max(case.docs)}'}) "
-                  f"heads {hlabel}: one device {ref['kernel']} fwd+bwd {ref['ms']:.2f} ms (fwd {ref['fwd_ms']:.2f})"
+                  f"heads {hlabel}: one device {ref['kernel']} fwd+bwd {ref['ms']:.2f} ms (fwd {ref['fwd_ms']:.2f}; "
+                  f"steady {_num(ref.get('steady_ms'), '.2f')})"
                   f"{'' if 'fa4_unavailable' not in ref else '  [fa4: ' + ref['fa4_unavailable'] + ']'}")
             print(f"   {'N':>3} {'layout':<10} {'strategy':<12} {'kernel':<9} {'split':>6} {'fwd':>6} {'work':>6} "
-                  f"{'launches f/b':>14} {'imbal':>6} {'peak MiB':>9} {'slowest ms':>10} | {'device':>6} "
-                  f"{'kern eff':>8} {'other ms':>8} {'host ms':>8} bound")
+                  f"{'launches f/b':>14} {'imbal':>6} {'peak MiB':>9} {'slowest ms':>10} | {'steady':>6} "
+                  f"{'attn eff':>8} {'other ms':>8} {'host ms':>8} bound")
             for n in world_sizes:
                 if n < case.min_world:
                     continue
@@ -1100,8 +1171,9 @@ def main(argv=None) -> dict:
                         print(f"   {n:>3} {layout_name:<10} {name:<12} {rec['kernel']:<9} {rec['split']:>6.3f} "
                               f"{rec['split_fwd']:>6.3f} {rec['total_work_ratio']:>6.3f} "
                               f"{_span(lf) + '/' + _span(lb):>14} {rec['work_imbalance']:>6.3f} {peak:>9} "
-                              f"{rec['slowest_ms']:>10.3f} | {rec['split_device']:>6.3f} "
-                              f"{_num(rec['kernel_efficiency']):>8} {rec['other_ms']:>8.3f} {rec['host_ms']:>8.3f} "
+                              f"{rec['slowest_ms']:>10.3f} | {_num(rec.get('split_steady')):>6} "
+                              f"{_num(rec.get('attn_efficiency')):>8} {_num(rec.get('steady_other_ms')):>8} "
+                              f"{rec['host_ms']:>8.3f} "
                               f"{rec['bound']}{' (sampled ranks)' if rec['total_work_estimated'] else ''}"
                               f"{'' if rec.get('steps_per_launch', 1) == 1 else ' G=' + str(rec['steps_per_launch'])}")
                     _auto_check(results, point, measured, device, dtype, case, hlabel, n, layout_name)

@@ -18,9 +18,10 @@ POINT_FIELDS = ("case", "mask", "seq_len", "heads", "world_size", "layout", "str
                 "slowest_ms", "slowest_fwd_ms", "split", "split_fwd", "total_work_ratio", "total_work_estimated",
                 "launches_fwd", "launches_bwd", "max_work", "work_imbalance", "work_per_rank", "peak_mib", "ranks",
                 "slowest_device_ms", "split_device", "device_rank", "kernel_ms", "other_ms", "host_ms",
-                "kernel_efficiency", "bound")
+                "kernel_efficiency", "bound", "steady_ms", "steady_rank", "split_steady", "steady_attn_ms",
+                "steady_other_ms", "attn_efficiency")
 RANK_FIELDS = ("rank", "weight", "ms", "fwd_ms", "iters", "launches_fwd", "launches_bwd", "work", "peak_mib",
-               "device_ms", "host_ms", "kernel_ms")
+               "device_ms", "host_ms", "kernel_ms", "steady_ms", "steady_attn_ms")
 CASES = ("causal-32k", "window-128k", "docs-16x8k", "pareto-s0")
 
 
@@ -50,6 +51,7 @@ def test_json_has_every_field(results):
         ref = case["one_device"]["4/2"]
         assert ref["ms"] > 0 and ref["fwd_ms"] > 0 and ref["launches_fwd"] > 0 and ref["launches_bwd"] > 0
         assert 0 < ref["kernel_ms"] <= ref["device_ms"] and ref["host_ms"] > 0
+        assert 0 < ref["steady_attn_ms"] <= ref["steady_ms"]  # (CPU: wall times)
     points = [p for p in on_disk["points"] if "not_applicable" not in p]
     # every case, both N, every layout of the case ran the ring
     for case in on_disk["cases"]:
@@ -71,6 +73,7 @@ def test_json_has_every_field(results):
             # the attention calls' own time is part of the pass's (on CPU: wall times of both)
             assert 0 < r["kernel_ms"] <= r["device_ms"], (p["case"], p["strategy"], r)
         assert p["split_device"] > 0 and p["kernel_efficiency"] > 0 and p["other_ms"] >= 0, p
+        assert p["split_steady"] > 0 and p["attn_efficiency"] > 0 and p["steady_other_ms"] >= 0, p
         assert p["bound"] in ("host", "device")
     # the auto check: a pick for every (case, heads, N, layout), and the fraction printed
     assert len(on_disk["auto"]) == sum(len(c["layouts"]) for c in on_disk["cases"]) * 2
@@ -119,3 +122,21 @@ def test_replay_rejudges_the_picks_without_a_gpu(results):
     after = {(a["case"], a["heads"], a["world_size"], a["layout"]): a["pick"] for a in replayed["auto"]}
     assert after == before and len(after) > 0  # (the smoke grid's picks were made on meta tensors too)
     assert replayed["auto_summary"]["points"] == results["auto_summary"]["points"]
+
+
+def test_steady_figures_decide_the_bound():
+    """device_summary: split_steady compares steady (loaded-clock) times like for like, and the
+    bound is the host where the wall-slowest rank's host time to queue its pass exceeds its device
+    time (behind a sleep), else the device."""
+    ref = dict(ms=100.0, device_ms=95.0, kernel_ms=90.0, steady_ms=98.0, steady_attn_ms=96.0)
+
+    def rank(r, steady, attn, host, work=1):
+        return dict(rank=r, ms=steady + 0.5, device_ms=steady - 2, kernel_ms=attn - 2, host_ms=host,
+                    steady_ms=steady, steady_attn_ms=attn, work=work)
+
+    out = bench_split.device_summary([rank(0, 26.0, 24.0, 5.0), rank(1, 24.5, 24.0, 5.0)], ref, 4, 2)
+    assert out["bound"] == "device" and out["steady_rank"] == 0
+    assert abs(out["split_steady"] - 24.5 / 26.0) < 1e-12 and abs(out["steady_other_ms"] - 2.0) < 1e-12
+    assert abs(out["attn_efficiency"] - 96.0 * 0.5 / 24.0) < 1e-12
+    out = bench_split.device_summary([rank(0, 20.0, 18.0, 19.0), rank(1, 19.0, 18.0, 5.0)], ref, 4, 2)
+    assert out["bound"] == "host"  # 19 ms to queue a pass whose device time is 18
