@@ -607,8 +607,6 @@ class Timer:
         dev, host, kern = (statistics.median(col) for col in zip(*rows))
         return dict(device_ms=dev, host_ms=host, kernel_ms=kern)
 
-
-
     def steady_pass(self, fwd: Callable, bwd: Callable, kernel, reps: int = STEADY_REPS) -> dict:
         """A pass in the GPU's loaded state, as inside a training loop: queued right behind another
         pass (no synchronisation between them), timed from the end of the one before to its own end
