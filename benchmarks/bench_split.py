@@ -41,6 +41,8 @@ for the rank slowest there:
   attn eff    = its attention calls against the one-device pass's on its share of the work
   other ms    = its steady time outside the attention calls (dtcp's merges, adds, copies, fills,
                 and the host's gaps where it queues slower than the device runs)
+  (JSON only: launch_efficiency, each of that rank's ring launches against the one device's rate,
+  forward and backward, with its share of the work: which launches lose the kernel's rate)
   host ms     = its host time to queue the pass (`Timer.device_pass`, behind a GPU sleep); bound
                 "host" where that exceeds its device time there, "sync" where the pass waits for
                 the device (a synchronizing call inside it), else "device"
@@ -114,6 +116,7 @@ from dtcp.comm.p2p import NoComm
 from dtcp.config import config as dtcp_config
 from dtcp.exec import allgather as exec_allgather
 from dtcp.exec import route as R
+from dtcp.exec.fused import fused_steps
 from dtcp.kernels import KERNELS, VarlenSeqs, default_scale, select_kernel
 from dtcp.layouts import Balanced, Contiguous, DocZigzag, Layout, Zigzag
 from dtcp.layouts.balanced import MIN_CHUNK
@@ -621,7 +624,8 @@ class Timer:
         the next 10-60 ms at a higher clock (the one-GPU causal 32K pass: 44.2 ms after a 30 ms
         sleep, 49.1 ms back to back), which favours a rank's short pass over the one device's long
         one; Timer.measure's runs each start from an idle device, so they count the first launch's
-        host latency. On CPU: the second pass's wall time and its calls' own."""
+        host latency. Also steady_calls_ms: each call's own time, in call order (forward's, then
+        backward's). On CPU: the second pass's wall time and its calls' own."""
         if not self.cuda:
             bwd(fwd())
             spent: list = []
@@ -629,7 +633,7 @@ class Timer:
                 t0 = time.perf_counter()
                 bwd(fwd())
                 wall = (time.perf_counter() - t0) * 1e3
-            return dict(steady_ms=wall, steady_attn_ms=sum(spent))
+            return dict(steady_ms=wall, steady_attn_ms=sum(spent), steady_calls_ms=spent)
         rows = []
         for _ in range(reps):
             self._sync()
@@ -641,9 +645,10 @@ class Timer:
                 bwd(fwd())
             end.record()
             end.synchronize()
-            rows.append((start.elapsed_time(end), sum(e0.elapsed_time(e1) for e0, e1 in spent)))
-        steady, attn = (statistics.median(col) for col in zip(*rows))
-        return dict(steady_ms=steady, steady_attn_ms=attn)
+            rows.append((start.elapsed_time(end), [e0.elapsed_time(e1) for e0, e1 in spent]))
+        calls = [statistics.median(c) for c in zip(*(r[1] for r in rows))] if len({len(r[1]) for r in rows}) == 1 else []
+        return dict(steady_ms=statistics.median(r[0] for r in rows),
+                    steady_attn_ms=statistics.median(sum(r[1]) for r in rows), steady_calls_ms=calls)
 
 
 def timing_calls(kernel, spent: list, cuda: bool):
@@ -716,8 +721,23 @@ def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bo
         res.update(timer.steady_pass(fwd, bwd, job.kernel))
         if profile:
             res["profile"] = profile_once(fwd, bwd, device, f"rank {job.rank} (work {job.work})")
-    res.update(launches_fwd=counts["fwd"], launches_bwd=counts["bwd"], rank=job.rank, weight=job.weight, work=job.work)
+    res.update(launches_fwd=counts["fwd"], launches_bwd=counts["bwd"], rank=job.rank, weight=job.weight, work=job.work,
+               launch_work=launch_work(job, device))
     return res
+
+
+def launch_work(job: RankJob, device) -> Optional[list[int]]:
+    """The work (visible pairs x query heads) of each of a ring rank's kernel calls, in the order
+    its pass makes them (each direction): its one-launch steps' launches (exec/fused.py), or its
+    tasks where it runs task by task. None for other plans, grouped steps or several batch rows."""
+    plan = job.plan
+    if isinstance(plan, tuple) or not hasattr(plan, "steps") or job.route.steps_per_launch != 1 or job.q_shape[0] != 1:
+        return None
+    heads = job.q_shape[1]
+    fused = fused_steps(plan, job.kernel, device)
+    if fused is None:
+        return [plan_pairs([task]) * heads for step in plan.steps for task in step.tasks]
+    return [li.launch.pairs * heads for site in fused for li in site]
 
 
 def profile_once(fwd: Callable, bwd: Callable, device, what: str, rows: int = 14) -> str:
@@ -926,6 +946,9 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
                          work (1.0 = as fast per pair as the whole sequence in one call)
       steady_other_ms    its steady time outside the attention calls (merges, adds, copies,
                          fills; and the host's gaps where it queues slower than the device runs)
+      launch_efficiency  per launch of that rank (ring, one launch a step): its forward and
+                         backward call against the one-device pass's rate, and its share of the
+                         work (launch_efficiency below); which launches lose the kernel's rate
 
     And Timer.device_pass's (behind a GPU sleep: a rested clock, module docstring), for the rank
     slowest there: split_device, kernel_efficiency, other_ms, host_ms (its host time to queue the
@@ -956,11 +979,28 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
             steady_attn_ms=slow_steady["steady_attn_ms"],
             steady_other_ms=slow_steady["steady_ms"] - slow_steady["steady_attn_ms"],
             attn_efficiency=ideal_attn / slow_steady["steady_attn_ms"] if slow_steady["steady_attn_ms"] else None,
+            launch_efficiency=launch_efficiency(slow_steady, ref, total_work),
         )
     # The host's time to queue the pass against the least the device needs for it (rested). (Not
     # the steady time: where the host bounds, the steady time is the host's pace plus a little.)
     out["bound"] = ("sync" if any(r.get("host_waits") for r in jobs_res)
                     else "host" if wall["host_ms"] > wall["device_ms"] else "device")
+    return out
+
+
+def launch_efficiency(rank: dict, ref: dict, total_work: int) -> Optional[list[list[float]]]:
+    """[forward, backward efficiency, share of the whole work] of each of a rank's launches in the
+    loaded state: the one device's forward (backward) call time times the launch's share of the
+    work, over the launch's own time (1.0 = the whole batch's rate). None unless the rank's calls
+    are its launches (launch_work) and the one device's pass is one call each way."""
+    work, calls, ref_calls = rank.get("launch_work"), rank.get("steady_calls_ms") or [], ref.get("steady_calls_ms") or []
+    if not work or not total_work or len(calls) != 2 * len(work) or len(ref_calls) != 2:
+        return None
+    out = []
+    for w, t_fwd, t_bwd in zip(work, calls[:len(work)], calls[len(work):]):
+        share = w / total_work
+        out.append([ref_calls[0] * share / t_fwd if t_fwd > 0 else None,
+                    ref_calls[1] * share / t_bwd if t_bwd > 0 else None, share])
     return out
 
 

@@ -19,9 +19,9 @@ POINT_FIELDS = ("case", "mask", "seq_len", "heads", "world_size", "layout", "str
                 "launches_fwd", "launches_bwd", "max_work", "work_imbalance", "work_per_rank", "peak_mib", "ranks",
                 "slowest_device_ms", "split_device", "device_rank", "kernel_ms", "other_ms", "host_ms",
                 "kernel_efficiency", "bound", "steady_ms", "steady_rank", "split_steady", "steady_attn_ms",
-                "steady_other_ms", "attn_efficiency")
+                "steady_other_ms", "attn_efficiency", "launch_efficiency")
 RANK_FIELDS = ("rank", "weight", "ms", "fwd_ms", "iters", "launches_fwd", "launches_bwd", "work", "peak_mib",
-               "device_ms", "host_ms", "kernel_ms", "steady_ms", "steady_attn_ms")
+               "device_ms", "host_ms", "kernel_ms", "steady_ms", "steady_attn_ms", "steady_calls_ms", "launch_work")
 CASES = ("causal-32k", "window-128k", "docs-16x8k", "pareto-s0")
 
 
@@ -74,6 +74,12 @@ def test_json_has_every_field(results):
             assert 0 < r["kernel_ms"] <= r["device_ms"], (p["case"], p["strategy"], r)
         assert p["split_device"] > 0 and p["kernel_efficiency"] > 0 and p["other_ms"] >= 0, p
         assert p["split_steady"] > 0 and p["attn_efficiency"] > 0 and p["steady_other_ms"] >= 0, p
+        if p["strategy"] == "ring":  # each call's efficiency and share; the shares are the rank's
+            slow = next(r for r in p["ranks"] if r["rank"] == p["steady_rank"])
+            assert len(slow["launch_work"]) == len(p["launch_efficiency"]) > 0, p["case"]
+            assert all(f > 0 and b > 0 and 0 < w <= 1 for f, b, w in p["launch_efficiency"]), p
+            total = sum(p["work_per_rank"])
+            assert abs(sum(w for _, _, w in p["launch_efficiency"]) - slow["work"] / total) < 1e-9
         assert p["bound"] in ("host", "device")
     # the auto check: a pick for every (case, heads, N, layout), and the fraction printed
     assert len(on_disk["auto"]) == sum(len(c["layouts"]) for c in on_disk["cases"]) * 2
@@ -140,3 +146,33 @@ def test_steady_figures_decide_the_bound():
     assert abs(out["attn_efficiency"] - 96.0 * 0.5 / 24.0) < 1e-12
     out = bench_split.device_summary([rank(0, 20.0, 18.0, 19.0), rank(1, 19.0, 18.0, 5.0)], ref, 4, 2)
     assert out["bound"] == "host"  # 19 ms to queue a pass whose device time is 18
+
+
+def test_launch_efficiency_from_the_calls_and_their_work():
+    """Each launch's forward and backward time against its share of the one device's calls."""
+    ref = dict(steady_calls_ms=[10.0, 30.0])
+    rank = dict(launch_work=[60, 20, 20], steady_calls_ms=[0.8, 0.25, 0.2, 2.5, 0.6, 0.75])
+    got = bench_split.launch_efficiency(rank, ref, 1000)
+    want = [[10 * 0.06 / 0.8, 30 * 0.06 / 2.5, 0.06], [10 * 0.02 / 0.25, 30 * 0.02 / 0.6, 0.02],
+            [10 * 0.02 / 0.2, 30 * 0.02 / 0.75, 0.02]]
+    assert all(abs(a - b) < 1e-12 for g, w in zip(got, want) for a, b in zip(g, w)) and len(got) == 3
+    # calls that are not the launches (a count that does not match), or no launch work: none
+    assert bench_split.launch_efficiency(dict(rank, steady_calls_ms=[1.0] * 5), ref, 1000) is None
+    assert bench_split.launch_efficiency(dict(rank, launch_work=None), ref, 1000) is None
+
+
+def test_launch_work_sums_to_the_rank_work():
+    """launch_work: one entry per kernel call of a ring rank, fused launches or tasks, summing to
+    the rank's work (pairs x heads), with a one-launch kernel and without."""
+    import dataclasses
+
+    import torch
+    from dtcp.kernels import KERNELS
+
+    cases = {c.name: c for c in bench_split.build_cases(1 / 64)}
+    for name, layout in (("pareto-s0", "balanced"), ("causal-32k", "zigzag")):
+        point = bench_split.make_point(cases[name], layout, 4, 2, 16, 4, "auto")
+        for job in bench_split.rank_jobs(point, "ring", torch.device("cpu"), torch.float32):
+            for kernel in (job.kernel, KERNELS["fa4"]):
+                work = bench_split.launch_work(dataclasses.replace(job, kernel=kernel), torch.device("cpu"))
+                assert sum(work) == job.work and all(w > 0 for w in work), (name, job.rank, kernel.name)
