@@ -613,7 +613,7 @@ class Timer:
     def steady_pass(self, fwd: Callable, bwd: Callable, kernel, reps: int = STEADY_REPS) -> dict:
         """A pass in the GPU's loaded state, as inside a training loop: queued right behind another
         pass (no synchronisation between them), timed from the end of the one before to its own end
-        (CUDA events; median of `reps`):
+        (CUDA events; median of `reps`, fewer once they add up to point_seconds):
 
           steady_ms       its device time, plus whatever gaps the host leaves where it queues slower
                           than the device runs (its first launch's latency is hidden behind the pass
@@ -646,6 +646,8 @@ class Timer:
             end.record()
             end.synchronize()
             rows.append((start.elapsed_time(end), [e0.elapsed_time(e1) for e0, e1 in spent]))
+            if sum(r[0] for r in rows) / 1e3 >= self.point_seconds:  # (a long pass: fewer runs, as Timer.measure)
+                break
         calls = [statistics.median(c) for c in zip(*(r[1] for r in rows))] if len({len(r[1]) for r in rows}) == 1 else []
         return dict(steady_ms=statistics.median(r[0] for r in rows),
                     steady_attn_ms=statistics.median(sum(r[1]) for r in rows), steady_calls_ms=calls)
