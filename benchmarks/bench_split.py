@@ -41,11 +41,11 @@ for the rank slowest there:
   attn eff    = its attention calls against the one-device pass's on its share of the work
   other ms    = its steady time outside the attention calls (dtcp's merges, adds, copies, fills,
                 and the host's gaps where it queues slower than the device runs)
-  (JSON only: launch_efficiency, each of that rank's ring launches against the one device's rate,
-  forward and backward, with its share of the work: which launches lose the kernel's rate)
   host ms     = its host time to queue the pass (`Timer.device_pass`, behind a GPU sleep); bound
                 "host" where that exceeds its device time there, "sync" where the pass waits for
                 the device (a synchronizing call inside it), else "device"
+  (JSON only: launch_efficiency, each of that rank's ring launches against the one device's rate,
+  forward and backward, with its share of the work: which launches lose the kernel's rate)
 `Timer.device_pass`'s figures (device_ms behind a sleep: split_device, kernel_efficiency,
 other_ms) stay in the JSON. They are a rested GPU's: at its power cap an H200 runs the 10-60 ms
 after a sleep at a higher clock (the one-GPU causal 32K pass 44.2 ms after a 30 ms sleep, 49.1
