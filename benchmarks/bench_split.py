@@ -120,7 +120,7 @@ from dtcp.exec.fused import fused_steps
 from dtcp.kernels import KERNELS, VarlenSeqs, default_scale, select_kernel
 from dtcp.layouts import Balanced, Contiguous, DocZigzag, Layout, Zigzag
 from dtcp.layouts.balanced import MIN_CHUNK
-from dtcp.plan import Task, allgather_reason, head_splits, plan_pairs
+from dtcp.plan import RingPlan, Task, allgather_reason, head_splits, plan_pairs
 
 ONE_D_STRATEGIES = ("ring", "allgather", "ulysses")  # what `auto` chooses among on a 1-D group
 
@@ -733,7 +733,7 @@ def launch_work(job: RankJob, device) -> Optional[list[int]]:
     its pass makes them (each direction): its one-launch steps' launches (exec/fused.py), or its
     tasks where it runs task by task. None for other plans, grouped steps or several batch rows."""
     plan = job.plan
-    if isinstance(plan, tuple) or not hasattr(plan, "steps") or job.route.steps_per_launch != 1 or job.q_shape[0] != 1:
+    if not isinstance(plan, RingPlan) or job.route.steps_per_launch != 1 or job.q_shape[0] != 1:
         return None
     heads = job.q_shape[1]
     fused = fused_steps(plan, job.kernel, device)
