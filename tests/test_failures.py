@@ -264,3 +264,41 @@ def test_named_kernel_picks_a_schedule_it_can_serve():
         kind, message, _ = r["refused"]
         assert kind == "ValueError" and "backend='cpu_flash' cannot serve" in message, r
         assert r["sent"] == 0, r  # refused before any data moved
+
+
+# ---- the agreement's digest of a batch's token ids ----------------------------------------------------
+def test_tensor_digest_is_by_value_and_cheap_to_agree_on():
+    """`tensor_digest` (the HF block's agreement on the token ids, read every step): equal for equal
+    values in any integer dtype or (B, S) / flat shape, different when one id differs, and the
+    same with and without numpy on the machine (where numpy is missing it falls back to the text
+    form, which must still tell batches apart)."""
+    import builtins
+
+    from dtcp.comm.guard import digest, tensor_digest
+
+    ids = torch.randint(0, 150_000, (2, 4096), generator=torch.Generator().manual_seed(0))
+    base = tensor_digest(ids)
+    assert base.startswith("8192 values, sha1 ")
+    assert tensor_digest(ids.to(torch.int32)) == base
+    assert tensor_digest(ids.flatten()) == base
+    assert tensor_digest(ids.t().contiguous().t()) == base  # non-contiguous storage, same values
+    changed = ids.clone()
+    changed[1, 4000] += 1
+    assert tensor_digest(changed) != base
+    swapped = ids.clone()
+    swapped[0, [5, 6]] = swapped[0, [6, 5]]
+    assert torch.equal(swapped, ids) or tensor_digest(swapped) != base
+
+    real_import = builtins.__import__
+
+    def no_numpy(name, *args, **kwargs):
+        if name == "numpy":
+            raise ImportError("no numpy here")
+        return real_import(name, *args, **kwargs)
+
+    builtins.__import__ = no_numpy
+    try:
+        text = tensor_digest(ids)
+        assert text == digest(ids.flatten().tolist()) and tensor_digest(changed) != text
+    finally:
+        builtins.__import__ = real_import

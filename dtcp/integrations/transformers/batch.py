@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ...comm.guard import digest
+from ...comm.guard import digest, tensor_digest
 from ...layouts import Auto, Balanced, DocZigzag, Layout
 from ..._groups import cp_size_and_rank
 
@@ -105,7 +105,7 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout,
     bsz, seq = ids.shape[0], ids.shape[1]
     fields["shape"] = str(tuple(ids.shape))
     if "input_ids" in batch:
-        fields["input_ids"] = digest(batch["input_ids"].detach().to("cpu").flatten().tolist())
+        fields["input_ids"] = tensor_digest(batch["input_ids"])
     if batch.get("past_key_values") is not None:
         return {}, "past_key_values: a KV cache cannot be sharded over the sequence; pass none (use_cache=False)", fields, layout
     if batch.get("use_cache"):
