@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 
@@ -126,6 +127,11 @@ class AttnMask:
     def band(self) -> Band:
         return Band(self.lo, self.hi)
 
+    @cached_property
+    def segment_starts(self) -> Optional[list[int]]:
+        """The documents' starts, for bisection (once per mask: every rank pair's plan reads them)."""
+        return None if self.segments is None else [a for a, _ in self.segments]
+
     @property
     def is_plain(self) -> bool:
         """No window and no documents: full or causal attention."""
@@ -150,7 +156,7 @@ def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Tas
     by at least one query, so kernels never see a fully masked row."""
     lo, hi = mask.lo, mask.hi
     segs = mask.segments if mask.segments is not None else ((0, seq_len),)
-    seg_starts = [a for a, _ in segs]
+    seg_starts = mask.segment_starts if mask.segments is not None else [0]
     k_runs, ko = [], 0
     for ka, kb in k_run_list:
         k_runs.append((ka, kb, ko))
@@ -159,16 +165,25 @@ def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Tas
     # the runs it shares with other ranks first); `ko` keeps each run's local offset.
     k_runs.sort()
     k_starts = [ka for ka, _, _ in k_runs]
+    # The documents some key run reaches, in order: only they can give a query run tasks. A rank's
+    # query runs span most of a batch's documents, another rank's key runs reach few of them (the
+    # documents cut over both), and every rank plans every rank's steps once per new batch.
+    reached = sorted({d for ka, kb, _ in k_runs
+                      for d in range(max(bisect.bisect_right(seg_starts, ka) - 1, 0),
+                                     bisect.bisect_left(seg_starts, kb))})
     tasks = []
     qo = 0
     for qa, qb in q_run_list:
-        for ds, de in segs[max(bisect.bisect_right(seg_starts, qa) - 1, 0):]:
+        first_doc = max(bisect.bisect_right(seg_starts, qa) - 1, 0)
+        for d in reached[bisect.bisect_left(reached, first_doc):]:
+            ds, de = segs[d]
             if ds >= qb:
                 break
             # keys this document and the band allow for these queries
             key_lo = max(ds, qa + lo) if lo is not None else ds
             key_hi = min(de, qb + hi) if hi is not None else de
-            for ka, kb, ko in k_runs[max(bisect.bisect_right(k_starts, key_lo) - 1, 0):]:
+            for r in range(max(bisect.bisect_right(k_starts, key_lo) - 1, 0), len(k_runs)):
+                ka, kb, ko = k_runs[r]
                 if ka >= key_hi:
                     break
                 i0, i1, j0, j1 = max(qa, ds), min(qb, de), max(ka, ds), min(kb, de)

@@ -136,6 +136,12 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
     if mask is None:
         mask = AttnMask.make(is_causal)
     seq_len = local_len * n
+    runs: dict[int, list] = {}  # each rank's runs, asked for once (n^2 rank pairs read them)
+
+    def runs_of(rank: int) -> list:
+        if rank not in runs:
+            runs[rank] = layout.runs(seq_len, n, rank)
+        return runs[rank]
 
     def tasks_of(rank: int, src: int) -> list[Task]:
         if mask.is_plain:
@@ -144,7 +150,7 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
             blocks = layout.causal_blocks(local_len, n, rank, src)
             if blocks is not None:
                 return [Task(q0, q1, k0, k1, None, hi) for q0, q1, k0, k1, hi in blocks]
-        return band_tasks(layout.runs(seq_len, n, rank), layout.runs(seq_len, n, src), mask, seq_len)
+        return band_tasks(runs_of(rank), runs_of(src), mask, seq_len)
 
     table = {(r, d): tuple(tasks_of(r, (r - d) % n)) for r in range(n) for d in range(n)}
     needed = {d for (r, d), tasks in table.items() if d and tasks}
