@@ -173,9 +173,9 @@ def digest(values) -> str:
 def tensor_digest(values: torch.Tensor) -> str:
     """`digest` for an integer tensor of any shape, dtype or device (a batch's token ids): the
     SHA-1 of its values as little-endian int64, in row-major order, so ranks holding the same
-    values agree whatever their integer dtype. A batch's ids are read every step: joining 128K ints
-    as text took 75 ms of host time on a 2-core CPU, hashing their bytes takes well under 1 ms
-    (numpy gives the bytes; without numpy, the text form)."""
+    values agree whatever their integer dtype. The HF block digests a batch's ids every step: 128K
+    ids joined as text took 28 ms of host time on a 2-core CPU, their bytes hash in 1-1.5 ms
+    (benchmarks/bench_new_batch.py; numpy gives the bytes, and without numpy the text form serves)."""
     flat = values.detach().reshape(-1).to("cpu", torch.int64)
     try:
         import numpy  # noqa: F401  (torch's .numpy() needs it; transformers installs it)
