@@ -34,6 +34,7 @@ from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
 from ..kernels import Kernel, VarlenSeqs, acc_dtype
 from ..kernels.base import seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
+from .rowsum import RowSources, row_sources, sum_rows_into
 
 
 def bounded_put(cache: dict, key, value, limit: int = 64):
@@ -176,6 +177,8 @@ class _Packing:
     # sum of the general path would hold the same values). The general path's gather, float32
     # buffer, indexed accumulate and copies took 25-35% of a log-normal Ulysses pass on one H100.
     identity: bool = False
+    # the same mapping by destination (exec/rowsum.py): which packed rows each (rank, row) sums
+    sources: Optional[RowSources] = None
 
 
 _PACKINGS: dict = {}
@@ -206,10 +209,13 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
     seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), cu[0], cu[1], max_q, max_k)
     key_rank, key_row = torch.cat(key_rank), torch.cat(key_row)
-    dk_row = key_rank * (2 * len(plan.rows) * l_len) + key_row
-    identity = plan.world_size == 1 and torch.equal(key_row, torch.arange(len(plan.rows) * l_len))
+    rows_per_rank = len(plan.rows) * l_len
+    dk_row = key_rank * (2 * rows_per_rank) + key_row
+    identity = plan.world_size == 1 and torch.equal(key_row, torch.arange(rows_per_rank))
+    sources = None if identity else row_sources(key_rank * rows_per_rank + key_row, plan.world_size * rows_per_rank,
+                                                rows_per_rank, device)
     packing = _Packing(seqs, key_rank.to(device), key_row.to(device), dk_row.to(device),
-                       (dk_row + len(plan.rows) * l_len).to(device), identity)
+                       (dk_row + rows_per_rank).to(device), identity, sources)
     bounded_put(_PACKINGS, key, (plan, packing))
     return packing
 
@@ -269,6 +275,13 @@ def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, 
     varlen_backward (else None)."""
     packing = _packing(plan, q.device)
     kv = gather_packed_kv(k, v, pg, plan, packing)
+    if q.shape[0] == 1:  # packed documents, the usual case: the launch writes the results themselves
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+        into = (_pack_rows(out), lse[0])
+        _landed(kernel.varlen_forward_into(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, *into,
+                                           softcap=softcap, sink=sink), into)
+        return out, lse, (kv if keep_kv else None)
     out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, softcap=softcap,
                                      sink=sink)
     out, lse = _unpack_rows(out, q.shape, q.dtype), _unpack_lse(lse, q.shape[:-1], acc_dtype(q.dtype))
@@ -285,25 +298,44 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     packing = _packing(plan, q.device)
     if kv is None:
         kv = gather_packed_kv(k, v, pg, plan, packing)
-    dq, dk, dv = kernel.varlen_backward(
+    # One batch row: the launch writes dQ (and, one rank's own keys, dK/dV) into the results
+    # themselves, (1, H, L, D) tensors seen as rows, instead of returning packed ones to copy.
+    into = {}
+    if b == 1:
+        into["dq"] = _pack_rows(torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        if packing.identity:
+            into["dk"] = _pack_rows(torch.empty(k.shape, dtype=k.dtype, device=k.device))
+            into["dv"] = _pack_rows(torch.empty(v.shape, dtype=v.dtype, device=v.device))
+    got = kernel.varlen_backward_into(
         _pack_rows(dout), _pack_rows(q), kv[0], kv[1], _pack_rows(out), _pack_lse(lse), packing.seqs, plan.window,
-        scale, softcap=softcap,
+        scale, softcap=softcap, **into,
     )
-    del kv
+    dq, dk, dv = _landed(got, tuple(into.get(name) for name in ("dq", "dk", "dv")))
+    del kv, got
+    dq = _rows_result(dq, q, b == 1)
     if packing.identity:  # each key's one share, in the rank's own order
-        return (_unpack_rows(dq, q.shape, q.dtype), _unpack_rows(dk, k.shape, k.dtype),
-                _unpack_rows(dv, v.shape, v.dtype))
+        return dq, _rows_result(dk, k, b == 1), _rows_result(dv, v, b == 1)
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
-    # straight into the rank-major layout the reduce-scatter sends.
-    dkv = torch.zeros((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
-    # Into the flat contiguous view: index_put_ on a strided view (dkv[:, 0]) clones it and copies
-    # it back, the whole sequence's float32 dK/dV twice each (H100, log-normal documents at N = 8:
-    # 2.6 ms of a 8.9 ms pass, the indexed adds themselves 0.4 ms). accumulate=True is the
-    # deterministic (sorted) CUDA kernel.
-    flat = dkv.view(n * 2 * b * l_len, h, d)
-    flat.index_put_((packing.dk_row,), dk.to(acc), accumulate=True)
-    flat.index_put_((packing.dv_row,), dv.to(acc), accumulate=True)
+    # straight into the rank-major layout the reduce-scatter sends: one Triton kernel on CUDA, each
+    # row written once (exec/rowsum.py); else a zero fill and indexed accumulates. (Into the flat
+    # contiguous view: index_put_ on a strided view clones it and copies it back.)
+    dkv = torch.empty((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
+    sum_rows_into(dkv.view(n * 2 * b * l_len, h, d), dk, dv, packing.sources, packing.dk_row, packing.dv_row)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
-    return (_unpack_rows(dq, q.shape, q.dtype), _contiguous(mine[0].transpose(1, 2), k.dtype),
+    return (dq, _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))
+
+
+def _landed(got, into) -> tuple:
+    """The kernel's results where the caller asked for them: one that returned others (an FA4
+    that ignored its output tensors) has them copied in, so a result is never left unwritten."""
+    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
+
+
+def _rows_result(grad: torch.Tensor, like: torch.Tensor, written: bool) -> torch.Tensor:
+    """A gradient shaped like `like` (B, H, L, D): the (1, H, L, D) result the launch wrote into
+    (`grad` is its rows view), else the packed rows unpacked into a fresh tensor."""
+    if written:
+        return grad.transpose(0, 1).unsqueeze(0)  # the rows view's own tensor: (1, H, L, D), contiguous
+    return _unpack_rows(grad, like.shape, like.dtype)

@@ -199,6 +199,39 @@ def test_triton_merge_between_the_result_and_the_accumulator(role, masked):
     assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_row_sum_equals_the_indexed_accumulate(dtype):
+    """The all-gather's dK/dV sum (exec/rowsum.py): the Triton kernel writes every row of the
+    float32 buffer, the sources of each summed in their packed order, and gives the torch form's
+    bits (zero fill, float32 cast, index_put_ accumulate) where a slot has up to two sources; 128K
+    packed rows of 8 x 128 into 4 ranks' rows, slots with 0-3 sources."""
+    from dtcp.exec import rowsum as RS
+    from test_rowsum import random_packing
+    ranks, rows_per_rank = 4, 40_000
+    slot_of_row, slots = random_packing(5, ranks, rows_per_rank, 128_000)
+    rank, row = slot_of_row // rows_per_rank, slot_of_row % rows_per_rank
+    dk_row = (rank * 2 * rows_per_rank + row).cuda()
+    dv_row = dk_row + rows_per_rank
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dk = torch.randn(len(slot_of_row), 8, 128, device="cuda", generator=g).to(dtype)
+    dv = torch.randn(len(slot_of_row), 8, 128, device="cuda", generator=g).to(dtype)
+    sources = RS.row_sources(slot_of_row, slots, rows_per_rank, "cuda")
+    got = torch.full((ranks * 2 * rows_per_rank, 8, 128), float("nan"), device="cuda")
+    assert RS._use_triton(got, dk, dv)
+    RS.sum_rows_into(got, dk, dv, sources, dk_row, dv_row)
+    want = torch.full_like(got, float("nan"))
+    with dtcp.config.override(merge="torch"):
+        RS.sum_rows_into(want, dk, dv, sources, dk_row, dv_row)
+    assert not got.isnan().any()
+    counts = torch.bincount(slot_of_row, minlength=slots)
+    assert counts.max() >= 3 and (counts == 0).any()
+    two = (counts <= 2).nonzero().flatten()
+    k_rows = ((two // rows_per_rank) * 2 * rows_per_rank + two % rows_per_rank).cuda()
+    for rows_ in (k_rows, k_rows + rows_per_rank):  # (dK rows, dV rows)
+        assert torch.equal(got[rows_], want[rows_])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_one_launch_landing_equals_run_by_run():
     """exec/merge.py land_merge_ / land_add_: a later launch's merge and dQ add over its window in
     one launch, each row by its role (NONE between the launch's rows), bit for bit what exec/fused.py
