@@ -14,7 +14,7 @@ nothing reads the environment or a module global on the hot path.
 | `check_every_call` | False | `DTCP_CHECK_EVERY_CALL` | agree on the call's arguments on every call, not only on a new route (debug) |
 | `transport` | "auto" | `DTCP_TRANSPORT` | ring transport on CUDA: "auto" (copy engines where available), "ce", "nccl" |
 | `high_priority_ring` | True | `DTCP_HIGH_PRIORITY_RING` | NCCL ring on a high-priority stream |
-| `merge` | "auto" | `DTCP_MERGE` | LSE merge: "auto" (fused Triton kernel on CUDA), "triton", "torch" |
+| `merge` | "auto" | `DTCP_MERGE` | LSE merge, and the all-gather's dK/dV sum (exec/rowsum.py): "auto" (fused Triton kernels on CUDA), "triton", "torch" |
 | `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
