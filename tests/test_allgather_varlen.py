@@ -349,6 +349,41 @@ def test_balanced_allgather_new_documents_every_batch_compiled():
         assert r["graph_breaks"] == 0 and r["frames"] == 1, r
 
 
+def balanced_allgather_kernel_ignores_outputs(docs, spec):
+    """balanced_allgather with a kernel whose varlen calls ignore the tensors they are asked to
+    write into (as an FA4 without `out=` would) and return fresh ones: the all-gather's in-place
+    results (one batch row: out, lse, dQ) must still be written, by a copy. Also counts the calls
+    that were handed output tensors."""
+    from dtcp.kernels.math import MathKernel
+    calls = {"forward_into": 0, "backward_into": 0}
+
+    def forward_ignoring(self, q, k, v, seqs, window, scale, out, lse, softcap=None, sink=None):
+        calls["forward_into"] += out is not None
+        return self.varlen_forward(q, k, v, seqs, window, scale, softcap=softcap, sink=sink)
+
+    def backward_ignoring(self, dout, q, k, v, out, lse, seqs, window, scale, softcap=None, dq=None, dk=None,
+                          dv=None):
+        calls["backward_into"] += dq is not None
+        return self.varlen_backward(dout, q, k, v, out, lse, seqs, window, scale, softcap=softcap)
+
+    saved = MathKernel.varlen_forward_into, MathKernel.varlen_backward_into
+    MathKernel.varlen_forward_into, MathKernel.varlen_backward_into = forward_ignoring, backward_ignoring
+    try:
+        return {**balanced_allgather(docs, spec), **calls}
+    finally:
+        MathKernel.varlen_forward_into, MathKernel.varlen_backward_into = saved
+
+
+def test_balanced_allgather_when_the_kernel_ignores_its_output_tensors():
+    """One batch row: the varlen all-gather hands the kernel its results to write into; a kernel
+    that returns others instead gets them copied in (dtcp.kernels.base.landed), exact to 1e-10."""
+    docs, spec = (21, 3, 5, 3), "balanced@1"
+    results = run_ranks(2, balanced_allgather_kernel_ignores_outputs, docs, spec)
+    assert_exact(results, (docs, spec))
+    for r in results:
+        assert r["forward_into"] >= 1 and r["backward_into"] >= 1, r
+
+
 def balanced_allgather_error():
     try:
         balanced_allgather((21, 3, 5, 3), "balanced@1", one_launch=False)

@@ -32,7 +32,7 @@ import torch
 
 from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
 from ..kernels import Kernel, VarlenSeqs, acc_dtype
-from ..kernels.base import seq_slice
+from ..kernels.base import landed, seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
 from .rowsum import RowSources, row_sources, sum_rows_into
 
@@ -279,7 +279,7 @@ def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, 
         out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
         into = (_pack_rows(out), lse[0])
-        _landed(kernel.varlen_forward_into(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, *into,
+        landed(kernel.varlen_forward_into(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, *into,
                                            softcap=softcap, sink=sink), into)
         return out, lse, (kv if keep_kv else None)
     out, lse = kernel.varlen_forward(_pack_rows(q), kv[0], kv[1], packing.seqs, plan.window, scale, softcap=softcap,
@@ -310,7 +310,7 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
         _pack_rows(dout), _pack_rows(q), kv[0], kv[1], _pack_rows(out), _pack_lse(lse), packing.seqs, plan.window,
         scale, softcap=softcap, **into,
     )
-    dq, dk, dv = _landed(got, tuple(into.get(name) for name in ("dq", "dk", "dv")))
+    dq, dk, dv = landed(got, tuple(into.get(name) for name in ("dq", "dk", "dv")))
     del kv, got
     dq = _rows_result(dq, q, b == 1)
     if packing.identity:  # each key's one share, in the rank's own order
@@ -325,12 +325,6 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
     return (dq, _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))
-
-
-def _landed(got, into) -> tuple:
-    """The kernel's results where the caller asked for them: one that returned others (an FA4
-    that ignored its output tensors) has them copied in, so a result is never left unwritten."""
-    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
 
 
 def _rows_result(grad: torch.Tensor, like: torch.Tensor, written: bool) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from ..config import config
 from ..kernels import Kernel, VarlenSeqs
+from ..kernels.base import landed
 from ..plan import RingPlan
 from ..plan.fuse import FIRST, LAST, MID, ONLY, Launch, accumulator_hull, fused_launches, later_rows, row_runs
 from .allgather import bounded_put
@@ -323,13 +324,7 @@ def launch_forward(kernel: Kernel, q_rows, k_rows, v_rows, li: LaunchIndex, scal
     if into is None:
         return kernel.varlen_forward(q, k, v, li.seqs, li.launch.window, scale, softcap=softcap)
     got = kernel.varlen_forward_into(q, k, v, li.seqs, li.launch.window, scale, *into, softcap=softcap)
-    return _landed(got, into)
-
-
-def _landed(got, into):
-    """The results where the caller asked for them: a kernel that returned others (an FA4 that
-    ignored its output tensors) has them copied in, so a result is never left unwritten."""
-    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
+    return landed(got, into)
 
 
 def merge_launch_(out_acc_rows: torch.Tensor, lse_acc: torch.Tensor, li: LaunchIndex, out, lse,
@@ -407,7 +402,7 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
         return kernel.varlen_backward(dout, q, k, v, out, lse, li.seqs, li.launch.window, scale, softcap=softcap)
     got = kernel.varlen_backward_into(dout, q, k, v, out, lse, li.seqs, li.launch.window, scale, softcap=softcap,
                                       dq=dq, dk=dk, dv=dv)
-    return _landed(got, (dq, dk, dv))
+    return landed(got, (dq, dk, dv))
 
 
 def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,

@@ -193,6 +193,13 @@ class Kernel:
         return tuple(g if into is None else into.copy_(g) for g, into in zip(grads, (dq, dk, dv)))
 
 
+def landed(got, into) -> tuple:
+    """A kernel's results where the caller asked for them (`into`: a tensor per result, or None):
+    one that returned others (an FA4 that ignored its output tensors) has them copied in, so a
+    result is never left unwritten."""
+    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
+
+
 def seq_slice(start: int, end: int) -> tuple:
     """Index of sequence positions [start, end) of a (B, H, L, D) or (B, H, L) tensor."""
     return (slice(None), slice(None), slice(start, end))
