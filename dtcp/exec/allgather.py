@@ -7,9 +7,11 @@ kernel: no merge. The backward gives each task's dQ whole and its share of dK/dV
 keys, summed in float32; one reduce-scatter returns to each rank the sum for its own K/V.
 
 As one varlen call (`VarlenPlan`, documents): one all-gather, one indexed copy that lays out each
-sequence's keys back to back (keys two sequences share are copied twice), one kernel call; the
-backward is one kernel call, one indexed accumulate of the sequences' dK/dV into float32 buffers
-(summing the copies), one reduce-scatter.
+sequence's keys back to back (keys two sequences share are copied twice), one kernel call, which
+for one batch row (packed documents) writes out and lse into the results themselves; the backward
+is one kernel call (dQ written in place likewise), one sum of the sequences' dK/dV into the
+float32 buffer the reduce-scatter sends (summing the copies: exec/rowsum.py, one Triton kernel on
+CUDA), one reduce-scatter.
 
 The gathered K/V come from the forward when the caller kept them (the eager path: N times this
 rank's K/V per attention call, which `auto` bounds at dtcp.config.allgather_max_bytes) and are
