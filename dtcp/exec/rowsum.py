@@ -8,8 +8,8 @@ With 128K tokens and 8 K/V heads of 128 the buffer alone is 1 GiB of float32 a b
 one Triton kernel does it all instead: each destination row is written once, with the sum of its
 source rows read in their bf16 (fp16, fp32) and added in float32 in a fixed order (the sources'
 packed order), or zeros where it has none. The sum of one or two rows is bit for bit the torch
-form's (0 + a, then + b); rows with three or more sources sum in the same order as well, both
-deterministic. `dtcp.config.merge = "torch"` forces the torch form (as it does the merges').
+form's (0 + a, then + b); with three or more sources the two forms may add in another order and
+round differently (both are deterministic). `dtcp.config.merge = "torch"` forces the torch form (as it does the merges').
 
 The index (`RowSources`) depends only on the plan: it is built once per plan and device, with the
 plan's packing (exec/allgather.py).
