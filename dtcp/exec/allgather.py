@@ -214,8 +214,9 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     rows_per_rank = len(plan.rows) * l_len
     dk_row = key_rank * (2 * rows_per_rank) + key_row
     identity = plan.world_size == 1 and torch.equal(key_row, torch.arange(rows_per_rank))
-    sources = None if identity else row_sources(key_rank * rows_per_rank + key_row, plan.world_size * rows_per_rank,
-                                                rows_per_rank, device)
+    # (only where the Triton sum can run: on the device, no host sort)
+    sources = None if identity or device.type != "cuda" else row_sources(
+        key_rank * rows_per_rank + key_row, plan.world_size * rows_per_rank, rows_per_rank, device)
     packing = _Packing(seqs, key_rank.to(device), key_row.to(device), dk_row.to(device),
                        (dk_row + rows_per_rank).to(device), identity, sources)
     bounded_put(_PACKINGS, key, (plan, packing))

@@ -11,13 +11,14 @@ packed order), or zeros where it has none. The sum of one or two rows is bit for
 form's (0 + a, then + b); with three or more sources the two forms may add in another order and
 round differently (both are deterministic). `dtcp.config.merge = "torch"` forces the torch form (as it does the merges').
 
-The index (`RowSources`) depends only on the plan: it is built once per plan and device, with the
-plan's packing (exec/allgather.py).
+The index (`RowSources`) depends only on the plan: it is built once per plan on a CUDA device, with
+the plan's packing (exec/allgather.py); elsewhere the torch form needs none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -44,21 +45,25 @@ class RowSources:
 
 
 def row_sources(slot_of_row: torch.Tensor, slots: int, rows_per_rank: int, device) -> RowSources:
-    """RowSources from each packed row's destination slot (T_k,) int64 (CPU)."""
+    """RowSources from each packed row's destination slot (T_k,) int64, built on `device`: on a
+    GPU the sort and the counts cost the host nothing and need no synchronisation (on a 2-core
+    CPU they took 3-5 ms for 64-128K keys, on every new document structure)."""
+    slot_of_row = slot_of_row.to(device)
     order = torch.sort(slot_of_row, stable=True).indices
-    counts = torch.bincount(slot_of_row, minlength=slots)
-    starts = torch.zeros(slots + 1, dtype=torch.int64)
+    counts = torch.zeros(slots, dtype=torch.int64, device=device).scatter_add_(0, slot_of_row,
+                                                                               torch.ones_like(slot_of_row))
+    starts = torch.zeros(slots + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=starts[1:])
-    return RowSources(order.to(device), starts.to(device), slots, rows_per_rank)
+    return RowSources(order, starts, slots, rows_per_rank)
 
 
-def sum_rows_into(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, sources: RowSources,
+def sum_rows_into(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, sources: Optional[RowSources],
                   dk_row: torch.Tensor, dv_row: torch.Tensor) -> None:
     """Write every row of `dkv` (N * 2 * B*L, Hkv, D) float32/float64, contiguous: the sum of the
     packed rows of dk (T_k, Hkv, D) (for dK rows) and dv (for dV rows) that land on it, zeros where
     none does. dk_row / dv_row: (T_k,) each packed row's dK / dV row (the torch form's index;
-    `sources` is the same mapping by destination)."""
-    if _use_triton(dkv, dk, dv):
+    `sources` is the same mapping by destination, or None where only the torch form runs)."""
+    if sources is not None and _use_triton(dkv, dk, dv):
         _sum_rows_triton(dkv, dk, dv, sources)
         return
     dkv.zero_()
