@@ -537,3 +537,33 @@ def test_torch_merge_between_the_result_and_the_accumulator(role, masked):
     assert torch.equal(written[:, :, keep], want[:, :, keep]) and torch.equal(lse, want_lse)
     assert torch.equal(written[:, :, ~keep], before[:, :, ~keep])
     assert (~keep).any() if masked else keep.all()
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_launch_index_tensors_hold_the_ranges_and_start_16_bytes_apart(gaps):
+    """A launch's cu_seqlens and seqused tensors hold its sequences' starts and lengths, each at an
+    address that is a multiple of 16 bytes: FlashAttention-4's backward copies any such tensor
+    that is not (an allocation and a copy kernel per launch, every step of every pass)."""
+    from dtcp.exec.fused import _indexed
+    from dtcp.kernels.base import int32_rows
+    from dtcp.plan.fuse import Launch
+
+    for lens in ([1, 2, 3], [0, 5, 7, 9], [4], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]):
+        got = int32_rows([lens, lens[:-1] or [2]], "cpu")
+        assert [t.tolist() for t in got] == [lens, lens[:-1] or [2]]
+        assert all(t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in got)
+    # 3, 2 and 6 sequences: cu_seqlens of 4, 3 and 7 entries; rows apart in order (gaps) or tiling
+    for n_seqs in (3, 2, 6):
+        q_ranges = tuple((10 * i, 10 * i + 4) for i in range(n_seqs))
+        k_ranges = tuple((7 * i, 7 * i + 5) for i in range(n_seqs))
+        li = _indexed(Launch((-1, 0), q_ranges, k_ranges), torch.device("cpu"), gaps=gaps)
+        seqs = li.seqs
+        assert seqs.cu_q_t.tolist() == list(seqs.cu_q) and seqs.cu_k_t.tolist() == list(seqs.cu_k)
+        tensors = [seqs.cu_q_t, seqs.cu_k_t]
+        if gaps:  # the rows and keys lie apart in order: read in place, lengths as seqused
+            assert seqs.used_q_t.tolist() == [4] * n_seqs and seqs.used_k_t.tolist() == [5] * n_seqs
+            assert list(seqs.cu_q) == [10 * i for i in range(n_seqs)] + [10 * (n_seqs - 1) + 4]
+            tensors += [seqs.used_q_t, seqs.used_k_t]
+        else:
+            assert seqs.used_q_t is None and list(seqs.cu_q) == [4 * i for i in range(n_seqs + 1)]
+        assert all(t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)

@@ -34,7 +34,7 @@ import torch
 
 from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
 from ..kernels import Kernel, VarlenSeqs, acc_dtype
-from ..kernels.base import landed, seq_slice
+from ..kernels.base import int32_rows, landed, seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
 from .rowsum import RowSources, row_sources, sum_rows_into
 
@@ -208,8 +208,7 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
             key_row.append(b * l_len + local[t.k_start:t.k_end])
     max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
-    seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), cu[0], cu[1], max_q, max_k)
+    seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), *int32_rows([cu_q, cu_k], device), max_q, max_k)
     key_rank, key_row = torch.cat(key_rank), torch.cat(key_row)
     rows_per_rank = len(plan.rows) * l_len
     dk_row = key_rank * (2 * rows_per_rank) + key_row

@@ -30,7 +30,7 @@ import torch
 
 from ..config import config
 from ..kernels import Kernel, VarlenSeqs
-from ..kernels.base import landed
+from ..kernels.base import int32_rows, landed
 from ..plan import RingPlan
 from ..plan.fuse import FIRST, LAST, MID, ONLY, Launch, accumulator_hull, fused_launches, later_rows, row_runs
 from .allgather import bounded_put
@@ -133,10 +133,11 @@ def _indexed(launch: Launch, device, gaps: bool = False) -> LaunchIndex:
 
     q_at, cu_q, used_q = side(launch.q_ranges, launch.q_span, launch.cu_q, launch.q_in_order)
     k_at, cu_k, used_k = side(launch.k_ranges, launch.k_span, launch.cu_k, launch.k_in_order)
-    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(device)
-    used = [None if u is None else torch.tensor(u, dtype=torch.int32).to(device) for u in (used_q, used_k)]
+    on_device = iter(int32_rows([cu_q, cu_k] + [u for u in (used_q, used_k) if u is not None], device))
+    cu_q_t, cu_k_t = next(on_device), next(on_device)
+    used = [None if u is None else next(on_device) for u in (used_q, used_k)]
     lens = launch.seq_lens
-    seqs = VarlenSeqs(cu_q, cu_k, cu[0], cu[1], max(q for q, _ in lens), max(k for _, k in lens),
+    seqs = VarlenSeqs(cu_q, cu_k, cu_q_t, cu_k_t, max(q for q, _ in lens), max(k for _, k in lens),
                       used_q, used_k, used[0], used[1])
     return LaunchIndex(launch, q_at, k_at, seqs)
 

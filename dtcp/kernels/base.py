@@ -62,6 +62,21 @@ class Target:
     capability: tuple[int, int] = (9, 0)
 
 
+def int32_rows(rows, device) -> list[torch.Tensor]:
+    """Lists of ints as int32 tensors on `device`, in one host-to-device copy: views of one
+    buffer, each starting 16 bytes apart from the next (its rows padded to a multiple of four).
+    Why aligned: FlashAttention-4's backward copies every cu_seqlens / seqused tensor whose address
+    is not a multiple of 16 bytes (flash_attn/cute/cute_dsl_utils.py maybe_contiguous), an
+    allocation and a copy kernel per launch; the second row of a plain (2, n + 1) tensor is
+    aligned only where n + 1 is a multiple of four."""
+    width = max(len(r) for r in rows) + 3 & ~3
+    packed = torch.zeros((len(rows), width), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        packed[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    packed = packed.to(device)
+    return [packed[i, :len(r)] for i, r in enumerate(rows)]
+
+
 def device_type(q, target: Optional[Target]) -> str:
     """The device type a kernel decides for: the target's, else q's."""
     return q.device.type if target is None else target.device_type
