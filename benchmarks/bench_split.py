@@ -44,6 +44,9 @@ for the rank slowest there:
   host ms     = its host time to queue the pass (`Timer.device_pass`, behind a GPU sleep); bound
                 "host" where that exceeds its device time there, "sync" where the pass waits for
                 the device (a synchronizing call inside it), else "device"
+  w/o kern    = the same pass's host time with the kernel's calls replayed from a recorded pass
+                (`Timer.host_split`): dtcp's part; host ms minus this is the kernel's own (FA4's
+                Python, allocations and launches)
   (JSON only: launch_efficiency, each of that rank's ring launches against the one device's rate,
   forward and backward, with its share of the work: which launches lose the kernel's rate)
 `Timer.device_pass`'s figures (device_ms behind a sleep: split_device, kernel_efficiency,
@@ -309,6 +312,37 @@ def counting(kernel, counts: dict):
                 return method(*a, **kw)
             finally:
                 inside[0] -= 1
+        return wrapper
+    return shadowing(kernel, wrap)
+
+
+def replaying(kernel, results: list, record: bool):
+    """While inside (`shadowing`): each outermost call of `kernel`'s attention methods is made and
+    its result appended to `results` (record=True), or not made at all, the next recorded result
+    returned in its place (record=False; in call order: the pass must make the calls it made when
+    recorded; copies of them are kept, since a call given output tensors returns those and the
+    pass adds into them later). A pass replayed so costs the host what is left of it without the
+    kernel: dtcp's Python and tensor ops (merges, adds, views, and the copies by which a replayed
+    result lands in a call's output tensors), not the kernel's own Python, allocations and
+    launches (Timer.host_split)."""
+    inside, at = [0], [0]
+
+    def wrap(name, method):
+        def wrapper(*a, **kw):
+            if inside[0]:
+                return method(*a, **kw)
+            if not record:
+                got = results[at[0]]
+                at[0] += 1
+                return got
+            inside[0] += 1
+            try:
+                got = method(*a, **kw)
+            finally:
+                inside[0] -= 1
+            # (a copy: a call given output tensors returns those, which the pass then adds into)
+            results.append(tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in got))
+            return got
         return wrapper
     return shadowing(kernel, wrap)
 
@@ -610,6 +644,31 @@ class Timer:
         dev, host, kern = (statistics.median(col) for col in zip(*rows))
         return dict(device_ms=dev, host_ms=host, kernel_ms=kern)
 
+    def host_split(self, fwd: Callable, bwd: Callable, kernel, host_ms: float, reps: int = DEVICE_REPS) -> dict:
+        """How much of the host's time to queue a pass (`host_ms`, Timer.device_pass) is the
+        attention kernel's own (its Python, allocations and launches: FA4's interface, for one) and
+        how much the rest (dtcp's): the pass again with the kernel's calls replayed from a recorded
+        pass (`replaying`), median of `reps` (on CUDA behind a GPU sleep, as device_pass):
+
+          host_rest_ms    its host time without the kernel's calls
+          host_kernel_ms  host_ms - host_rest_ms"""
+        recorded: list = []
+        with replaying(kernel, recorded, record=True):
+            bwd(fwd())
+        runs = []
+        for _ in range(reps):
+            self._sync()
+            if self.cuda:
+                torch.cuda._sleep(int((2 * host_ms + 2.0) * sleep_cycles_per_ms()))
+            with replaying(kernel, recorded, record=False):
+                t0 = time.perf_counter()
+                bwd(fwd())
+                runs.append((time.perf_counter() - t0) * 1e3)
+        self._sync()
+        del recorded
+        rest = statistics.median(runs)
+        return dict(host_rest_ms=rest, host_kernel_ms=host_ms - rest)
+
     def steady_pass(self, fwd: Callable, bwd: Callable, kernel, reps: int = STEADY_REPS) -> dict:
         """A pass in the GPU's loaded state, as inside a training loop: queued right behind another
         pass (no synchronisation between them), timed from the end of the one before to its own end
@@ -720,6 +779,7 @@ def run_job(job: RankJob, device, dtype, timer: Timer, scale: float, profile: bo
     with local_collectives():
         res = timer.measure(fwd, bwd, first)
         res.update(timer.device_pass(fwd, bwd, job.kernel))
+        res.update(timer.host_split(fwd, bwd, job.kernel, res["host_ms"]))
         res.update(timer.steady_pass(fwd, bwd, job.kernel))
         if profile:
             res["profile"] = profile_once(fwd, bwd, device, f"rank {job.rank} (work {job.work})")
@@ -968,7 +1028,7 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
     out = dict(
         slowest_device_ms=slow["device_ms"], split_device=(one_device / n) / slow["device_ms"],
         device_rank=slow["rank"], kernel_ms=slow["kernel_ms"], other_ms=slow["device_ms"] - slow["kernel_ms"],
-        host_ms=slow["host_ms"], kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
+        host_ms=slow["host_ms"], host_rest_ms=slow.get("host_rest_ms"), kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
     )
     steady = ref.get("steady_ms") is not None and all(r.get("steady_ms") is not None for r in jobs_res)
     if steady:
@@ -1151,7 +1211,7 @@ def main(argv=None) -> dict:
                   f"{'' if 'fa4_unavailable' not in ref else '  [fa4: ' + ref['fa4_unavailable'] + ']'}")
             print(f"   {'N':>3} {'layout':<10} {'strategy':<12} {'kernel':<9} {'split':>6} {'fwd':>6} {'work':>6} "
                   f"{'launches f/b':>14} {'imbal':>6} {'peak MiB':>9} {'slowest ms':>10} | {'steady':>6} "
-                  f"{'attn eff':>8} {'other ms':>8} {'host ms':>8} bound")
+                  f"{'attn eff':>8} {'other ms':>8} {'host ms':>8} {'w/o kern':>8} bound")
             for n in world_sizes:
                 if n < case.min_world:
                     continue
@@ -1213,7 +1273,7 @@ def main(argv=None) -> dict:
                               f"{_span(lf) + '/' + _span(lb):>14} {rec['work_imbalance']:>6.3f} {peak:>9} "
                               f"{rec['slowest_ms']:>10.3f} | {_num(rec.get('split_steady')):>6} "
                               f"{_num(rec.get('attn_efficiency')):>8} {_num(rec.get('steady_other_ms')):>8} "
-                              f"{rec['host_ms']:>8.3f} "
+                              f"{rec['host_ms']:>8.3f} {_num(rec.get('host_rest_ms')):>8} "
                               f"{rec['bound']}{' (sampled ranks)' if rec['total_work_estimated'] else ''}"
                               f"{'' if rec.get('steps_per_launch', 1) == 1 else ' G=' + str(rec['steps_per_launch'])}")
                     _auto_check(results, point, measured, device, dtype, case, hlabel, n, layout_name)

@@ -18,10 +18,10 @@ POINT_FIELDS = ("case", "mask", "seq_len", "heads", "world_size", "layout", "str
                 "slowest_ms", "slowest_fwd_ms", "split", "split_fwd", "total_work_ratio", "total_work_estimated",
                 "launches_fwd", "launches_bwd", "max_work", "work_imbalance", "work_per_rank", "peak_mib", "ranks",
                 "slowest_device_ms", "split_device", "device_rank", "kernel_ms", "other_ms", "host_ms",
-                "kernel_efficiency", "bound", "steady_ms", "steady_rank", "split_steady", "steady_attn_ms",
+                "host_rest_ms", "kernel_efficiency", "bound", "steady_ms", "steady_rank", "split_steady", "steady_attn_ms",
                 "steady_other_ms", "attn_efficiency", "launch_efficiency")
 RANK_FIELDS = ("rank", "weight", "ms", "fwd_ms", "iters", "launches_fwd", "launches_bwd", "work", "peak_mib",
-               "device_ms", "host_ms", "kernel_ms", "steady_ms", "steady_attn_ms", "steady_calls_ms", "launch_work")
+               "device_ms", "host_ms", "host_rest_ms", "host_kernel_ms", "kernel_ms", "steady_ms", "steady_attn_ms", "steady_calls_ms", "launch_work")
 CASES = ("causal-32k", "window-128k", "docs-16x8k", "pareto-s0")
 
 
@@ -72,6 +72,7 @@ def test_json_has_every_field(results):
                 assert key in r, (key, p["case"], p["strategy"])
             # the attention calls' own time is part of the pass's (on CPU: wall times of both)
             assert 0 < r["kernel_ms"] <= r["device_ms"], (p["case"], p["strategy"], r)
+            assert r["host_rest_ms"] > 0 and r["host_kernel_ms"] == r["host_ms"] - r["host_rest_ms"], r
         assert p["split_device"] > 0 and p["kernel_efficiency"] > 0 and p["other_ms"] >= 0, p
         assert p["split_steady"] > 0 and p["attn_efficiency"] > 0 and p["steady_other_ms"] >= 0, p
         if p["strategy"] == "ring":  # each call's efficiency and share; the shares are the rank's
@@ -176,3 +177,45 @@ def test_launch_work_sums_to_the_rank_work():
             for kernel in (job.kernel, KERNELS["fa4"]):
                 work = bench_split.launch_work(dataclasses.replace(job, kernel=kernel), torch.device("cpu"))
                 assert sum(work) == job.work and all(w > 0 for w in work), (name, job.rank, kernel.name)
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_a_replayed_pass_makes_no_kernel_call_and_gives_the_recorded_results(one_launch, monkeypatch):
+    """Timer.host_split's replay (`replaying`): with the kernel's calls recorded in one pass, a
+    replayed pass calls the kernel not once (so its host time is dtcp's alone) and returns the
+    same gradients, bit for bit (so it is the same pass, with the same merges and adds). Task by
+    task, and fused (one_launch: the CPU kernel's varlen loop standing in for one launch, its
+    dense calls nested inside: each outermost call replays)."""
+    import torch
+    from dtcp.kernels import KERNELS
+
+    cases = {c.name: c for c in bench_split.build_cases(1 / 64)}
+    point = bench_split.make_point(cases["pareto-s0"], "balanced", 4, 2, 16, 4, "auto")
+    job = max(bench_split.rank_jobs(point, "ring", torch.device("cpu"), torch.float64), key=lambda j: j.work)
+    kernel = job.kernel
+    monkeypatch.setattr(type(kernel), "varlen_one_launch", one_launch)
+    from dtcp.exec.fused import fused_steps
+    assert (fused_steps(job.plan, kernel, torch.device("cpu")) is not None) == one_launch
+    fwd, bwd = bench_split.job_passes(job, torch.device("cpu"), torch.float64, 0.25)
+    recorded, counts = [], {"fwd": 0, "bwd": 0}
+    with bench_split.replaying(kernel, recorded, record=True):
+        want = bwd(fwd())
+    assert recorded and not any(name in kernel.__dict__ for name in bench_split._KERNEL_METHODS)
+    with bench_split.counting(kernel, counts):
+        with bench_split.replaying(kernel, recorded, record=False):
+            got = bwd(fwd())
+    assert counts == {"fwd": 0, "bwd": 0}
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 3
+    # and a real pass after it calls the kernel as before (nothing left patched)
+    with bench_split.counting(kernel, counts):
+        bwd(fwd())
+    assert counts["fwd"] == job_launches(job)[0] > 0 and counts["bwd"] > 0
+    assert KERNELS[kernel.name] is kernel
+
+
+def job_launches(job):
+    from dtcp.exec.fused import fused_steps
+
+    fused = fused_steps(job.plan, job.kernel, __import__("torch").device("cpu"))
+    tasks = sum(len(step.tasks) for step in job.plan.steps)
+    return (tasks if fused is None else sum(len(site) for site in fused)),
