@@ -52,6 +52,44 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
     return in_token_order(results, layout, n)
 
 
+def simulated_allgather_tasks(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None,
+                              scale=None):
+    """As simulated_allgather, for the all-gather task by task (`AllGatherPlan`: causal zigzag,
+    windows; dtcp/exec/allgather.py allgather_forward/allgather_backward): every rank's K/V
+    gathered for real, each rank's dK/dV the sum of every rank's reduce-scatter share of it."""
+    from dtcp.exec import allgather as ag
+    from dtcp.plan import allgather_plans
+
+    s = q.shape[2]
+    local_len = s // n
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    mask = AttnMask.make(is_causal, window, None if docs is None else segments_of(docs))
+    plans = allgather_plans(layout, local_len, n, is_causal, mask)
+    shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
+    shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
+    gathered = torch.cat([torch.stack((kr, vr)) for _, kr, vr, _ in shards])  # (N * 2, B, Hkv, L, D), rank-major
+    shares = []
+
+    def reduce_scatter(send, pg, world_size):  # recorded; each rank's sum is formed once all have sent
+        shares.append(send)
+        return torch.zeros_like(send[: send.shape[0] // world_size])
+
+    saved = ag.all_gather_kv, ag.reduce_scatter_dkv
+    ag.all_gather_kv, ag.reduce_scatter_dkv = (lambda send, pg, world_size: gathered), reduce_scatter
+    try:
+        results = []
+        for r, (qr, kr, vr, dr) in enumerate(shards):
+            out, lse, kept = ag.allgather_forward(qr, kr, vr, None, plans[r], kernel, scale, keep_kv=True)
+            dq, _, _ = ag.allgather_backward(dr, qr, kr, vr, out, lse, None, plans[r], kernel, scale, kv=kept)
+            results.append([out, lse, dq])
+    finally:
+        ag.all_gather_kv, ag.reduce_scatter_dkv = saved
+    for r, res in enumerate(results):
+        mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, Hkv, L, D) float32
+        res += [mine[0].to(k.dtype), mine[1].to(v.dtype)]
+    return in_token_order(results, layout, n)
+
+
 def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None):
     """As simulated_ring, for the all-gather schedule as one varlen call per rank (documents:
     dtcp/exec/allgather.py varlen_forward/varlen_backward). Its collectives carry the real data:

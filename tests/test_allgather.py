@@ -101,6 +101,47 @@ def test_allgather_plan_of_causal_zigzag_is_two_calls_per_rank():
         assert plan.rows_tiled
 
 
+def test_key_writes_copy_each_keys_first_share_add_the_rest_zero_the_unseen():
+    """AllGatherPlan.key_writes, against a count per key, on random task sets and on real plans:
+    each task's runs tile its keys in order; a run is `first` exactly where no earlier task has
+    those keys (copied in, the bits a zeroed sum gives), and the unseen keys are the ones no task
+    has. The backward sums dK/dV by these writes instead of a zero fill and adds."""
+    import random
+
+    from dtcp.plan.allgather import AllGatherPlan
+    from dtcp.plan.mask import Task
+
+    def check(plan):
+        writes, unseen = plan.key_writes
+        count = [0] * plan.seq_len
+        for task, runs in zip(plan.tasks, writes):
+            pos = task.k_start
+            for a, c, first in runs:
+                assert a == pos < c
+                assert all((count[key] == 0) == first for key in range(a, c)), (plan.tasks, writes)
+                pos = c
+            assert pos == task.k_end
+            for key in range(task.k_start, task.k_end):
+                count[key] += 1
+        assert [key for a, c in unseen for key in range(a, c)] == [key for key in range(plan.seq_len) if not count[key]]
+        return count
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        s = rng.randint(1, 40)
+        spans = [sorted((rng.randint(0, s), rng.randint(0, s))) for _ in range(rng.randint(0, 5))]
+        check(AllGatherPlan(1, 0, s, ((0, 0, s),), tuple(Task(i, i + 1, a, c) for i, (a, c) in enumerate(spans))))
+    # causal zigzag, 4 ranks of 8 (chunks of 4): the low chunk's keys are copied, the high chunk
+    # adds onto them and copies the rest of its prefix; the keys after it are unseen
+    for r, plan in enumerate(allgather_plans(dtcp.Zigzag(), 8, 4, True)):
+        check(plan)
+        low, high = 4 * (r + 1), 4 * (8 - r)
+        assert plan.key_writes == ((((0, low, True),), ((0, low, False), (low, high, True))),
+                                   () if r == 0 else ((high, 32),))
+    # causal contiguous: rank 0 sees only its own keys; the rest of the sequence is zeroed
+    assert allgather_plans(dtcp.Contiguous(), 8, 4, True)[0].key_writes == ((((0, 8, True),),), ((8, 32),))
+
+
 def test_allgather_refuses_layouts_with_many_runs():
     assert allgather_reason(dtcp.Zigzag(), 8, 4) is None and allgather_reason(dtcp.Contiguous(), 5, 3) is None
     why = allgather_reason(dtcp.Striped(1), 8, 4)

@@ -10,7 +10,7 @@ import torch
 import dtcp
 from dtcp.kernels import KERNELS
 from reference import exact_err, reference_attention, window_doc_mask
-from sim_ranks import simulated_allgather, simulated_ring, simulated_ulysses
+from sim_ranks import simulated_allgather, simulated_allgather_tasks, simulated_ring, simulated_ulysses
 
 CASES = [  # (world size, layout, documents, window)
     (2, dtcp.Zigzag(), None, (-1, -1)),
@@ -61,6 +61,16 @@ def test_simulated_allgather_is_exact(n, layout, docs, window):
     """The one-process all-gather (one varlen call per rank, real gathered K/V, dK/dV summed over
     the ranks' shares) equals single-process attention: the one-GPU test measures kernels only."""
     assert_simulation_exact(simulated_allgather, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
+
+
+@pytest.mark.parametrize("n,layout,docs,window", [(2, dtcp.Zigzag(), None, (-1, -1)), (4, dtcp.Zigzag(), None, (-1, -1)),
+                                                   (8, dtcp.Zigzag(), None, (-1, -1)), (3, dtcp.Contiguous(), None, (5, 0)),
+                                                   (4, dtcp.Contiguous(), None, (-1, -1))], ids=str)
+def test_simulated_allgather_by_task_is_exact(n, layout, docs, window):
+    """The one-process all-gather task by task (AllGatherPlan: K/V put in token order piece by
+    piece, dK/dV summed by first-copy-then-add and sent back rank-major piece by piece) equals
+    single-process attention: what the one-GPU test runs with FA4 and flash."""
+    assert_simulation_exact(simulated_allgather_tasks, n, layout, docs, window, heads=(4, 2, 2, 4), seed=8)
 
 
 @pytest.mark.parametrize("n,layout,docs,window", CASES + [(4, dtcp.Zigzag(), (5, 9, 2, 16), (-1, -1)),

@@ -80,16 +80,47 @@ def _unpacked(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (kv[0], kv[1]) if kv.shape[0] == 2 else (kv[0][..., :d], kv[0][..., d:])
 
 
+#: a sequence in at most this many pieces (zigzag: 2N) goes between rank-major and token order
+#: piece by piece, one strided copy each: one pass over the tensor where a rank-major reshape and
+#: an index_select made two (more pieces, Balanced or DocZigzag: the indexed copy)
+PIECEWISE = 64
+
+
 def gather_kv(k, v, pg, plan: AllGatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's K (B, Hkv, S, D) and V (B, Hkv, S, Dv), in global token order."""
     send = _packed(k, v)
     parts, b, h, l_len, e = send.shape
     n = plan.world_size
     gathered = all_gather_kv(send, pg, n).view(n, parts, b, h, l_len, e)
+    to_global, _ = _orders(plan, k.device)
+    if to_global is not None and len(plan.pieces) <= PIECEWISE:
+        kv = gathered.new_empty((parts, b, h, n * l_len, e))
+        g = 0
+        for rank, lo, hi in plan.pieces:  # (N, P, B, Hkv, L, E) -> (P, B, Hkv, S, E), token order
+            kv[:, :, :, g:g + hi - lo].copy_(gathered[rank, :, :, :, lo:hi])
+            g += hi - lo
+        return _unpacked(kv, k.shape[-1])
     # (N, P, B, Hkv, L, E) -> (P, B, Hkv, N*L, E), rank-major along the sequence
     kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(parts, b, h, n * l_len, e)
-    to_global, _ = _orders(plan, k.device)
     return _unpacked(kv if to_global is None else kv.index_select(3, to_global), k.shape[-1])
+
+
+def _rank_major(dkv_all: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
+    """(P, B, Hkv, S, E) in token order -> (N * P, B, Hkv, L, E), rank first: what the
+    reduce-scatter sends (a copy)."""
+    parts, b, h, _, e = dkv_all.shape
+    n, l_len = plan.world_size, plan.local_len
+    _, to_rank_major = _orders(plan, dkv_all.device)
+    if to_rank_major is not None and len(plan.pieces) <= PIECEWISE:
+        send = dkv_all.new_empty((n, parts, b, h, l_len, e))
+        g = 0
+        for rank, lo, hi in plan.pieces:
+            send[rank, :, :, :, lo:hi].copy_(dkv_all[:, :, :, g:g + hi - lo])
+            g += hi - lo
+        return send.view(n * parts, b, h, l_len, e)
+    if to_rank_major is not None:
+        dkv_all = dkv_all.index_select(3, to_rank_major)
+    return dkv_all.view(parts, b, h, n, l_len, e).permute(3, 0, 1, 2, 4, 5).reshape(n * parts, b, h, l_len, e)
 
 
 def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: float, keep_kv: bool = False,
@@ -129,23 +160,37 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
     """Gradients of allgather_forward, given its final out and lse (kv: the (K, V) it gathered and
     kept, or None to gather again). Returns dq, dk, dv in the input dtypes."""
     acc = acc_dtype(q.dtype)
-    b, h, l_len, d = k.shape
-    n = plan.world_size
+    b, h, _, d = k.shape
     if kv is None:
         kv = gather_kv(k, v, pg, plan)
     parts = 2 if k.shape == v.shape else 1
-    dkv_all = torch.zeros((parts, b, h, plan.seq_len, d if parts == 2 else d + v.shape[-1]), dtype=acc,
-                          device=k.device)
+    # The tasks' dK/dV summed over the global keys in float32: each key's first share copied in,
+    # later ones added (plan.key_writes), not added onto zeros. The keys no task sees are zeroed:
+    # where they are most of the sequence (contiguous ranks before the last, windows), by one fill
+    # of the whole buffer, which ran about twice as fast per byte as a fill of the parts (slices
+    # of every head, on one H200: a window's all-gather at 32/32 heads lost 1 ms to them).
+    writes, uncovered = plan.key_writes
+    fill_all = 2 * sum(c - a for a, c in uncovered) > plan.seq_len
+    dkv_all = (torch.zeros if fill_all else torch.empty)(
+        (parts, b, h, plan.seq_len, d if parts == 2 else d + v.shape[-1]), dtype=acc, device=k.device)
     dk_all, dv_all = _unpacked(dkv_all, d)
     dqs = []
-    for task in plan.tasks:
+    for task, runs in zip(plan.tasks, writes):
         qs, ks = seq_slice(task.q_start, task.q_end), seq_slice(task.k_start, task.k_end)
         dq_t, dk_t, dv_t = kernel.backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs],
                                            task.lo, task.hi, scale, softcap=softcap)
         dqs.append(dq_t)
-        dk_all[ks] += dk_t
-        dv_all[ks] += dv_t
+        for a, c, first in runs:
+            dst, src = seq_slice(a, c), seq_slice(a - task.k_start, c - task.k_start)
+            if first:
+                dk_all[dst].copy_(dk_t[src])
+                dv_all[dst].copy_(dv_t[src])
+            else:
+                dk_all[dst].add_(dk_t[src])
+                dv_all[dst].add_(dv_t[src])
         del dk_t, dv_t
+    for a, c in () if fill_all else uncovered:
+        dkv_all[:, :, :, a:c].zero_()
     del kv, dk_all, dv_all
     if plan.rows_tiled:
         dq = (dqs[0].contiguous() if len(dqs) == 1 else torch.cat(dqs, dim=2)).to(q.dtype)
@@ -153,14 +198,10 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         for task, dq_t in zip(plan.tasks, dqs):
             dq[seq_slice(task.q_start, task.q_end)] = dq_t
-    # Global order -> rank-major, rank first for the reduce-scatter: (N, P, B, Hkv, L, E).
-    _, to_rank_major = _orders(plan, k.device)
-    if to_rank_major is not None:
-        dkv_all = dkv_all.index_select(3, to_rank_major)
-    e = dkv_all.shape[-1]
-    send = dkv_all.view(parts, b, h, n, l_len, e).permute(3, 0, 1, 2, 4, 5).reshape(n * parts, b, h, l_len, e)
+    # Global order -> rank-major, rank first for the reduce-scatter: (N * P, B, Hkv, L, E).
+    send = _rank_major(dkv_all, plan)
     del dkv_all
-    dk, dv = _unpacked(reduce_scatter_dkv(send, pg, n), d)
+    dk, dv = _unpacked(reduce_scatter_dkv(send, pg, plan.world_size), d)
     # copy=True: fresh dk and dv even when no cast is needed (outputs must not alias each other)
     return dq, dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
 

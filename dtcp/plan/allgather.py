@@ -61,6 +61,50 @@ class AllGatherPlan:
             g += hi - lo
         return tuple(starts)
 
+    @cached_property
+    def key_writes(self) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], tuple[tuple[int, int], ...]]:
+        """How the backward sums the tasks' dK/dV over the global keys without a zero fill: per
+        task, its keys [k_start, k_end) as runs (start, end, first), in order, `first` where no
+        earlier task has keys there (the run is copied in: 0 + x is x, the same bits as a zeroed
+        sum), else added; and the key ranges no task sees (zeroed). Global key indices."""
+        covered: list[list[int]] = []  # sorted, disjoint, maximal
+        per_task = []
+        for t in self.tasks:
+            a, c = t.k_start, t.k_end
+            runs, pos = [], a
+            for x, y in covered if a < c else ():
+                if y <= pos:
+                    continue
+                if x >= c:
+                    break
+                if x > pos:
+                    runs.append((pos, x, True))
+                    pos = x
+                end = min(y, c)
+                runs.append((pos, end, False))
+                pos = end
+                if pos >= c:
+                    break
+            if pos < c:
+                runs.append((pos, c, True))
+            per_task.append(tuple(runs))
+            if a < c:
+                merged = []
+                for x, y in sorted(covered + [[a, c]]):
+                    if merged and x <= merged[-1][1]:
+                        merged[-1][1] = max(merged[-1][1], y)
+                    else:
+                        merged.append([x, y])
+                covered = merged
+        uncovered, pos = [], 0
+        for x, y in covered:
+            if x > pos:
+                uncovered.append((pos, x))
+            pos = y
+        if pos < self.seq_len:
+            uncovered.append((pos, self.seq_len))
+        return tuple(per_task), tuple(uncovered)
+
     def key_slices(self, k_start: int, k_end: int) -> tuple[tuple[int, int, int], ...]:
         """Global keys [k_start, k_end) as (rank, lo, hi) slices of the ranks' own shards, in
         global order (neighbouring slices of one rank that touch are one)."""

@@ -20,7 +20,7 @@ import torch
 import dtcp
 from dtcp.kernels import KERNELS, VarlenSeqs
 from reference import reference_attention, window_doc_mask
-from sim_ranks import simulated_allgather, simulated_ring, simulated_ulysses
+from sim_ranks import simulated_allgather, simulated_allgather_tasks, simulated_ring, simulated_ulysses
 
 pytestmark = pytest.mark.one_gpu
 
@@ -101,6 +101,19 @@ DOC_CASES = [c for c in CASES if c[2] is not None]
 def test_allgather_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window):
     """The all-gather as one varlen launch per rank (documents; Balanced's many runs included)."""
     within_the_kernels_own_error(simulated_allgather, backend, n, name, make_layout, docs, window)
+
+
+TASK_CASES = [c for c in CASES if c[2] is None]  # (no documents: the all-gather runs task by task)
+
+
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name,make_layout,docs,window", TASK_CASES, ids=[c[0] for c in TASK_CASES])
+def test_allgather_by_task_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window):
+    """The all-gather task by task (causal zigzag: two calls a rank; a window on contiguous): K/V
+    put in token order piece by piece, dK/dV summed with each key's first share copied in, sent
+    back in rank-major order piece by piece."""
+    within_the_kernels_own_error(simulated_allgather_tasks, backend, n, name, make_layout, docs, window)
 
 
 @pytest.mark.parametrize("backend", ["fa4", "flash"])
