@@ -52,6 +52,29 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
     return in_token_order(results, layout, n)
 
 
+def _allgather_ranks(shards, gathered, run_rank):
+    """Each rank's `run_rank(q, k, v, dout) -> [out, lse, dq]` on its shards, with the
+    all-gather's collectives carrying the real data: the all-gather gives `gathered` (every
+    rank's stacked K/V, rank-major) and every reduce-scatter's send is recorded. Returns the
+    results and, per rank, the sum of every rank's share for it (2, ...) float32: what the
+    reduce-scatter returns once all have sent."""
+    from dtcp.exec import allgather as ag
+
+    n, shares = len(shards), []
+
+    def reduce_scatter(send, pg, world_size):
+        shares.append(send)
+        return torch.zeros_like(send[: send.shape[0] // world_size])
+
+    saved = ag.all_gather_kv, ag.reduce_scatter_dkv
+    ag.all_gather_kv, ag.reduce_scatter_dkv = (lambda send, pg, world_size: gathered), reduce_scatter
+    try:
+        results = [run_rank(*shard) for shard in shards]
+    finally:
+        ag.all_gather_kv, ag.reduce_scatter_dkv = saved
+    return results, [sum(share.view(n, 2, *share.shape[1:])[r] for share in shares) for r in range(n)]
+
+
 def simulated_allgather_tasks(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None,
                               scale=None):
     """As simulated_allgather, for the all-gather task by task (`AllGatherPlan`: causal zigzag,
@@ -64,29 +87,20 @@ def simulated_allgather_tasks(layout, n, q, k, v, dout, kernel, *, is_causal=Tru
     local_len = s // n
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     mask = AttnMask.make(is_causal, window, None if docs is None else segments_of(docs))
-    plans = allgather_plans(layout, local_len, n, is_causal, mask)
+    plans = iter(allgather_plans(layout, local_len, n, is_causal, mask))
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
     gathered = torch.cat([torch.stack((kr, vr)) for _, kr, vr, _ in shards])  # (N * 2, B, Hkv, L, D), rank-major
-    shares = []
 
-    def reduce_scatter(send, pg, world_size):  # recorded; each rank's sum is formed once all have sent
-        shares.append(send)
-        return torch.zeros_like(send[: send.shape[0] // world_size])
+    def run_rank(qr, kr, vr, dr):
+        plan = next(plans)
+        out, lse, kept = ag.allgather_forward(qr, kr, vr, None, plan, kernel, scale, keep_kv=True)
+        dq, _, _ = ag.allgather_backward(dr, qr, kr, vr, out, lse, None, plan, kernel, scale, kv=kept)
+        return [out, lse, dq]
 
-    saved = ag.all_gather_kv, ag.reduce_scatter_dkv
-    ag.all_gather_kv, ag.reduce_scatter_dkv = (lambda send, pg, world_size: gathered), reduce_scatter
-    try:
-        results = []
-        for r, (qr, kr, vr, dr) in enumerate(shards):
-            out, lse, kept = ag.allgather_forward(qr, kr, vr, None, plans[r], kernel, scale, keep_kv=True)
-            dq, _, _ = ag.allgather_backward(dr, qr, kr, vr, out, lse, None, plans[r], kernel, scale, kv=kept)
-            results.append([out, lse, dq])
-    finally:
-        ag.all_gather_kv, ag.reduce_scatter_dkv = saved
-    for r, res in enumerate(results):
-        mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, Hkv, L, D) float32
-        res += [mine[0].to(k.dtype), mine[1].to(v.dtype)]
+    results, mine = _allgather_ranks(shards, gathered, run_rank)
+    for res, dkv in zip(results, mine):  # (2, B, Hkv, L, D) float32
+        res += [dkv[0].to(k.dtype), dkv[1].to(v.dtype)]
     return in_token_order(results, layout, n)
 
 
@@ -111,25 +125,17 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
     gathered = torch.cat([torch.stack((kr.transpose(1, 2), vr.transpose(1, 2))) for _, kr, vr, _ in shards])
-    shares = []
+    ranks = iter(plans)
 
-    def reduce_scatter(send, pg, world_size):  # recorded; each rank's sum is formed once all have sent
-        shares.append(send)
-        return torch.zeros_like(send[: send.shape[0] // world_size])
+    def run_rank(qr, kr, vr, dr):
+        plan = next(ranks)
+        out, lse, _ = ag.varlen_forward(qr, kr, vr, None, plan, kernel, scale)
+        dq, _, _ = ag.varlen_backward(dr, qr, kr, vr, out, lse, None, plan, kernel, scale)
+        return [out, lse, dq]
 
-    saved = ag.all_gather_kv, ag.reduce_scatter_dkv
-    ag.all_gather_kv, ag.reduce_scatter_dkv = (lambda send, pg, world_size: gathered), reduce_scatter
-    try:
-        results = []
-        for r, (qr, kr, vr, dr) in enumerate(shards):
-            out, lse, _ = ag.varlen_forward(qr, kr, vr, None, plans[r], kernel, scale)
-            dq, _, _ = ag.varlen_backward(dr, qr, kr, vr, out, lse, None, plans[r], kernel, scale)
-            results.append([out, lse, dq])
-    finally:
-        ag.all_gather_kv, ag.reduce_scatter_dkv = saved
-    for r, res in enumerate(results):
-        mine = sum(share.view(n, 2, *share.shape[1:])[r] for share in shares)  # (2, B, L, Hkv, D) float32
-        res += [mine[0].transpose(1, 2).to(k.dtype), mine[1].transpose(1, 2).to(v.dtype)]
+    results, mine = _allgather_ranks(shards, gathered, run_rank)
+    for res, dkv in zip(results, mine):  # (2, B, L, Hkv, D) float32
+        res += [dkv[0].transpose(1, 2).to(k.dtype), dkv[1].transpose(1, 2).to(v.dtype)]
     return in_token_order(results, layout, n)
 
 
