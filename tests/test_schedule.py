@@ -91,3 +91,35 @@ def test_layout_positional_arguments_are_not_dim():
     assert dtcp.SlidingWindow(64).left == 64 and dtcp.SlidingWindow(64).dim is None
     assert dtcp.Striped(2).block == 2 and dtcp.Striped(2).dim is None
     assert dtcp.Zigzag(dim=1).dim == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("window", [(-1, -1), (6, 0)])
+def test_rank_pairs_that_share_no_document_plan_no_tasks_exactly(world_size, window):
+    """ring_plans skips the band tasks of rank pairs whose runs reach no common document (most
+    pairs of a packed batch at 8-16 ranks): every step's tasks are still exactly band_tasks of its
+    rank pair, and an offset the plans leave out has none for any rank. Long-tailed documents on
+    Balanced and zigzag, causal and a causal window."""
+    import random
+
+    from dtcp.plan import AttnMask, ring_plans
+    from dtcp.plan.mask import band_tasks
+
+    rng = random.Random(world_size)
+    docs = [max(1, int(rng.paretovariate(0.9))) for _ in range(60)]
+    docs[-1] += -sum(docs) % (2 * world_size)
+    seq_len = sum(docs)
+    segments, pos = [], 0
+    for d in docs:
+        segments.append((pos, pos + d))
+        pos += d
+    mask = AttnMask.make(True, window, tuple(segments))
+    for layout in (dtcp.Balanced(tuple(docs), min_chunk=1), dtcp.Zigzag()):
+        plans = ring_plans(layout, seq_len // world_size, world_size, True, mask)
+        runs = [layout.runs(seq_len, world_size, r) for r in range(world_size)]
+        for r, plan in enumerate(plans):
+            for step in plan.steps:
+                assert list(step.tasks) == band_tasks(runs[r], runs[step.src], mask, seq_len), (layout, r, step.src)
+            planned = {step.src for step in plan.steps}
+            for src in set(range(world_size)) - planned:
+                assert band_tasks(runs[r], runs[src], mask, seq_len) == [], (layout, r, src)

@@ -22,6 +22,7 @@ what it received as it is, and its dK/dV travel back with the same span.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Optional
@@ -143,6 +144,15 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
             runs[rank] = layout.runs(seq_len, n, rank)
         return runs[rank]
 
+    docs: dict[int, frozenset] = {}  # under a document mask: the documents each rank's runs reach
+
+    def docs_of(rank: int) -> frozenset:
+        if rank not in docs:
+            starts = mask.segment_starts
+            docs[rank] = frozenset(d for a, b in runs_of(rank)
+                                   for d in range(max(bisect.bisect_right(starts, a) - 1, 0), bisect.bisect_left(starts, b)))
+        return docs[rank]
+
     def tasks_of(rank: int, src: int) -> list[Task]:
         if mask.is_plain:
             if mask.hi is None:
@@ -150,6 +160,10 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
             blocks = layout.causal_blocks(local_len, n, rank, src)
             if blocks is not None:
                 return [Task(q0, q1, k0, k1, None, hi) for q0, q1, k0, k1, hi in blocks]
+        # Two ranks that hold pieces of no common document have nothing to compute together: most
+        # of the N^2 pairs of a packed batch at N = 8-16, which every rank plans for every new batch.
+        if mask.segments is not None and rank != src and docs_of(rank).isdisjoint(docs_of(src)):
+            return []
         return band_tasks(runs_of(rank), runs_of(src), mask, seq_len)
 
     table = {(r, d): tuple(tasks_of(r, (r - d) % n)) for r in range(n) for d in range(n)}
