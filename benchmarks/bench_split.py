@@ -1028,7 +1028,8 @@ def device_summary(jobs_res: list[dict], ref: dict, n: int, total_work: int) -> 
     out = dict(
         slowest_device_ms=slow["device_ms"], split_device=(one_device / n) / slow["device_ms"],
         device_rank=slow["rank"], kernel_ms=slow["kernel_ms"], other_ms=slow["device_ms"] - slow["kernel_ms"],
-        host_ms=slow["host_ms"], host_rest_ms=slow.get("host_rest_ms"), kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
+        host_ms=slow["host_ms"], host_rest_ms=slow.get("host_rest_ms"),
+        kernel_efficiency=ideal_kernel / slow["kernel_ms"] if slow["kernel_ms"] else None,
     )
     steady = ref.get("steady_ms") is not None and all(r.get("steady_ms") is not None for r in jobs_res)
     if steady:

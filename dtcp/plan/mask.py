@@ -147,6 +147,14 @@ class AttnMask:
         return k >= 0 and self.segments[k][0] <= min(i, j) and max(i, j) < self.segments[k][1]
 
 
+def documents_reached(runs, seg_starts) -> set[int]:
+    """The indices of the documents (starting at `seg_starts`, sorted) that global runs [a, b)
+    reach: every one they touch, and at most one more (a run starting between documents counts
+    the one before), never fewer."""
+    return {d for a, b in runs
+            for d in range(max(bisect.bisect_right(seg_starts, a) - 1, 0), bisect.bisect_left(seg_starts, b))}
+
+
 def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Task]:
     """Tasks of queries held as the global runs `q_run_list` (in local order) against keys held as
     `k_run_list` (both in local order, which need not be global order): one band task per (query
@@ -168,9 +176,7 @@ def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Tas
     # The documents some key run reaches, in order: only they can give a query run tasks. A rank's
     # query runs span most of a batch's documents, another rank's key runs reach few of them (the
     # documents cut over both), and every rank plans every rank's steps once per new batch.
-    reached = sorted({d for ka, kb, _ in k_runs
-                      for d in range(max(bisect.bisect_right(seg_starts, ka) - 1, 0),
-                                     bisect.bisect_left(seg_starts, kb))})
+    reached = sorted(documents_reached(((ka, kb) for ka, kb, _ in k_runs), seg_starts))
     tasks = []
     qo = 0
     for qa, qb in q_run_list:

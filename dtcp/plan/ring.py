@@ -22,13 +22,12 @@ what it received as it is, and its dK/dV travel back with the same span.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Optional
 
 from ..layouts import Layout
-from .mask import AttnMask, Task, band_tasks
+from .mask import AttnMask, Task, band_tasks, documents_reached
 
 
 @dataclass(frozen=True)
@@ -148,9 +147,7 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
 
     def docs_of(rank: int) -> frozenset:
         if rank not in docs:
-            starts = mask.segment_starts
-            docs[rank] = frozenset(d for a, b in runs_of(rank)
-                                   for d in range(max(bisect.bisect_right(starts, a) - 1, 0), bisect.bisect_left(starts, b)))
+            docs[rank] = frozenset(documents_reached(runs_of(rank), mask.segment_starts))
         return docs[rank]
 
     def tasks_of(rank: int, src: int) -> list[Task]:
