@@ -155,13 +155,15 @@ def documents_reached(runs, seg_starts) -> set[int]:
             for d in range(max(bisect.bisect_right(seg_starts, a) - 1, 0), bisect.bisect_left(seg_starts, b))}
 
 
-def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Task]:
+def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int, k_documents=None) -> list[Task]:
     """Tasks of queries held as the global runs `q_run_list` (in local order) against keys held as
     `k_run_list` (both in local order, which need not be global order): one band task per (query
     run, document, key run) with a visible pair, trimmed to its visible rows and columns. Within a
     run local order is global order, so a global band is a band in slice indices. Only key runs inside the document and the window's reach are looked
     at. Every task is trimmed: each query row sees at least one key and each key column is seen
-    by at least one query, so kernels never see a fully masked row."""
+    by at least one query, so kernels never see a fully masked row. `k_documents`: what
+    `documents_reached` gives for `k_run_list` under the mask's documents, where the caller has it
+    already (ring_plans: once per rank, not once per rank pair)."""
     lo, hi = mask.lo, mask.hi
     segs = mask.segments if mask.segments is not None else ((0, seq_len),)
     seg_starts = mask.segment_starts if mask.segments is not None else [0]
@@ -176,7 +178,9 @@ def band_tasks(q_run_list, k_run_list, mask: AttnMask, seq_len: int) -> list[Tas
     # The documents some key run reaches, in order: only they can give a query run tasks. A rank's
     # query runs span most of a batch's documents, another rank's key runs reach few of them (the
     # documents cut over both), and every rank plans every rank's steps once per new batch.
-    reached = sorted(documents_reached(((ka, kb) for ka, kb, _ in k_runs), seg_starts))
+    if k_documents is None:
+        k_documents = documents_reached(((ka, kb) for ka, kb, _ in k_runs), seg_starts)
+    reached = sorted(k_documents)
     tasks = []
     qo = 0
     for qa, qb in q_run_list:

@@ -159,9 +159,11 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
                 return [Task(q0, q1, k0, k1, None, hi) for q0, q1, k0, k1, hi in blocks]
         # Two ranks that hold pieces of no common document have nothing to compute together: most
         # of the N^2 pairs of a packed batch at N = 8-16, which every rank plans for every new batch.
-        if mask.segments is not None and rank != src and docs_of(rank).isdisjoint(docs_of(src)):
+        if mask.segments is None:
+            return band_tasks(runs_of(rank), runs_of(src), mask, seq_len)
+        if rank != src and docs_of(rank).isdisjoint(docs_of(src)):
             return []
-        return band_tasks(runs_of(rank), runs_of(src), mask, seq_len)
+        return band_tasks(runs_of(rank), runs_of(src), mask, seq_len, k_documents=docs_of(src))
 
     table = {(r, d): tuple(tasks_of(r, (r - d) % n)) for r in range(n) for d in range(n)}
     needed = {d for (r, d), tasks in table.items() if d and tasks}
