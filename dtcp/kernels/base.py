@@ -137,6 +137,11 @@ class Kernel:
             return f"{self.name} needs v's head dim to equal q's and k's ({v.shape[-1]} != {q.shape[-1]})"
         return None
 
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this kernel's backward returns dQ in for inputs of `dtype` (what the ring
+        keeps a launch's dQ in until the pass sums them: exec/fused.py Slots)."""
+        return dtype
+
     def reject_varlen_reason(self, seq_lens: Iterable[tuple[int, int]], window: tuple[int, int]) -> Optional[str]:
         """None when one varlen call with these (q_len, k_len) sequences and this bottom-right
         window is exactly what the kernel computes, else why not (kernel quirks)."""
@@ -147,6 +152,23 @@ class Kernel:
 
     def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         raise NotImplementedError
+
+    # Into given tensors: the ring keeps a pass's later blocks whole, in slots, to merge (sum) them
+    # once at its end (exec/fused.py Slots). Kernels that take output tensors override these; here
+    # the results are copied in (the same values).
+    def forward_into(self, q, k, v, lo, hi, scale, out, lse, softcap=None):
+        """forward, its results written into out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) (float32;
+        float64 for float64): strided views, last dim contiguous. Returns (out, lse)."""
+        o, l = self.forward(q, k, v, lo, hi, scale, softcap=softcap)
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse
+
+    def backward_into(self, dout, q, k, v, out, lse, lo, hi, scale, dq, softcap=None):
+        """backward, its dq written into `dq` (a strided view of q's shape in grad_dtype, last dim
+        contiguous). Returns (dq, dk, dv)."""
+        dq_t, dk, dv = self.backward(dout, q, k, v, out, lse, lo, hi, scale, softcap=softcap)
+        return dq.copy_(dq_t), dk, dv
 
     # The varlen interface as a loop of per-sequence calls: (T, H, D) rows <-> (1, H, T, D) blocks.
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):
@@ -212,7 +234,14 @@ def landed(got, into) -> tuple:
     """A kernel's results where the caller asked for them (`into`: a tensor per result, or None):
     one that returned others (an FA4 that ignored its output tensors) has them copied in, so a
     result is never left unwritten."""
-    return tuple(g if dest is None or g is dest else dest.copy_(g) for g, dest in zip(got, into))
+    return tuple(g if dest is None or _same_view(g, dest) else dest.copy_(g) for g, dest in zip(got, into))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are a and b the same elements (b itself, or a view of the same memory, shape and strides:
+    what a kernel that wrote into a transposed view of b returns, transposed back)?"""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype)
 
 
 def seq_slice(start: int, end: int) -> tuple:

@@ -42,7 +42,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .base import Kernel, Target, VarlenSeqs, device_type, keyed_block, keyless_sequence, no_key_rows, seq_slice
+from .base import (Kernel, Target, VarlenSeqs, device_type, keyed_block, keyless_sequence, landed, no_key_rows,
+                   seq_slice)
 
 INSTALL_HINT = 'pip install "dtcp[flash]"'
 
@@ -265,12 +266,12 @@ class Fa4Kernel(Kernel):
     # dtcp passes transpose(1, 2) VIEWS of its (B, H, L, D) tensors and of row/key slices of them:
     # no copies for head dims that are multiples of 8. Outputs come back (B, L, H, D) (out) or in
     # q/k/v's own strides (dq, dk, dv: empty_like of the views) and are returned as transposed views.
-    def _forward_call(self, fa, q, k, v, call: Fa4Call, scale, softcap, sink):
+    def _forward_call(self, fa, q, k, v, call: Fa4Call, scale, softcap, sink, out=None, lse=None):
         res = fa._flash_attn_fwd(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
             softcap=None if softcap is None else float(softcap),
             learnable_sink=None if sink is None else sink.to(device=q.device, dtype=torch.float32).contiguous(),
-            return_lse=True, **call.window_args(),
+            return_lse=True, out=None if out is None else out.transpose(1, 2), lse=lse, **call.window_args(),
         )
         out, lse = res[0], res[1]  # 4.0.0b36 returns (out, lse, p, row_max, o_lo)
         return out.transpose(1, 2), lse
@@ -290,14 +291,14 @@ class Fa4Kernel(Kernel):
             lse[rows] = l
         return out, lse
 
-    def _backward_call(self, fa, dout, q, k, v, out, lse, call: Fa4Call, scale, softcap):
+    def _backward_call(self, fa, dout, q, k, v, out, lse, call: Fa4Call, scale, softcap, dq=None):
         # FA4 wants q, k, v, out and dout of one dtype, lse float32 (B, H, Lq).
         out, dout = out.to(q.dtype), dout.to(q.dtype)
         dq, dk, dv = fa._flash_attn_bwd(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2),
             lse.to(torch.float32), softmax_scale=scale,
             softcap=0.0 if softcap is None else float(softcap),  # 0.0 is "off" here (None would be taken as a cap)
-            **call.window_args(),
+            dq=None if dq is None else dq.transpose(1, 2), **call.window_args(),
         )[:3]
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -313,6 +314,22 @@ class Fa4Kernel(Kernel):
                                         call, scale, softcap)
             dq[rows], dk[keys], dv[keys] = grads
         return dq, dk, dv
+
+    def forward_into(self, q, k, v, lo, hi, scale, out, lse, softcap=None):
+        lq, lk = q.shape[2], k.shape[2]
+        call = fa4_call(lq, lk, lo, hi)
+        if not call.whole(lq, lk):  # (rows without keys: filled, as forward does)
+            return super().forward_into(q, k, v, lo, hi, scale, out, lse, softcap=softcap)
+        return landed(self._forward_call(_interface(), q, k, v, call, scale, softcap, None, out=out, lse=lse),
+                      (out, lse))
+
+    def backward_into(self, dout, q, k, v, out, lse, lo, hi, scale, dq, softcap=None):
+        lq, lk = q.shape[2], k.shape[2]
+        call = fa4_call(lq, lk, lo, hi)
+        if not call.whole(lq, lk):
+            return super().backward_into(dout, q, k, v, out, lse, lo, hi, scale, dq, softcap=softcap)
+        dq_t, dk, dv = self._backward_call(_interface(), dout, q, k, v, out, lse, call, scale, softcap, dq=dq)
+        return landed((dq_t,), (dq,))[0], dk, dv
 
     # ---- varlen: (T, H, D) rows, one launch -----------------------------------------------------------------
     def varlen_forward(self, q, k, v, seqs: VarlenSeqs, window, scale, softcap=None, sink=None):

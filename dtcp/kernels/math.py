@@ -47,6 +47,9 @@ class MathKernel(Kernel):
         out = torch.matmul(p, repeat_kv(v, g).to(s.dtype))
         return out.to(q.dtype), lse
 
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return acc_dtype(dtype)  # (its gradients come back in the dtype it computes in)
+
     def backward(self, dout, q, k, v, out, lse, lo, hi, scale, softcap=None):
         s, capped, g = self._scores(q, k, lo, hi, scale, softcap)
         acc = s.dtype
