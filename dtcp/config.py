@@ -15,6 +15,7 @@ nothing reads the environment or a module global on the hot path.
 | `transport` | "auto" | `DTCP_TRANSPORT` | ring transport on CUDA: "auto" (copy engines where available), "ce", "nccl" |
 | `high_priority_ring` | True | `DTCP_HIGH_PRIORITY_RING` | NCCL ring on a high-priority stream |
 | `merge` | "auto" | `DTCP_MERGE` | LSE merge, and the all-gather's dK/dV sum (exec/rowsum.py): "auto" (fused Triton kernels on CUDA), "triton", "torch" |
+| `merge_slots_bytes` | 512 MiB | `DTCP_MERGE_SLOTS_BYTES` | where a ring pass's first launch writes the results, its later launches write their outputs (forward) and dQ (backward) into slots of at most this many bytes a pass, merged (summed) once at the end instead of launch by launch through float32 accumulators (dtcp/exec/fused.py `Slots`); a pass needing more, and 0, merge launch by launch |
 | `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
@@ -65,6 +66,7 @@ _ENVIRONMENT = (
     ("DTCP_TRANSPORT", "transport", _parse_choice),
     ("DTCP_HIGH_PRIORITY_RING", "high_priority_ring", _parse_bool),
     ("DTCP_MERGE", "merge", _parse_choice),
+    ("DTCP_MERGE_SLOTS_BYTES", "merge_slots_bytes", int),
     ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
     ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
@@ -80,6 +82,7 @@ class Config:
     transport: str = "auto"
     high_priority_ring: bool = True
     merge: str = "auto"
+    merge_slots_bytes: int = 512 * 2**20
     allgather_max_bytes: int = 16 * 2**20
     eager_fast_path: bool = True
     traced_allgather: bool = True
@@ -158,9 +161,9 @@ def _checked(name: str, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"dtcp.config.timeout_s must be a positive number of seconds; got {value!r}")
         return float(value)
-    if name == "allgather_max_bytes":
+    if name in ("allgather_max_bytes", "merge_slots_bytes"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"dtcp.config.allgather_max_bytes must be an int >= 0; got {value!r}")
+            raise ValueError(f"dtcp.config.{name} must be an int >= 0 (bytes); got {value!r}")
         return value
     if name == "ring_steps_per_launch":
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -172,7 +172,10 @@ def _the_route():
     return next(iter(_routes_of(state_of(dist.group.WORLD)).values()))
 
 
-def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gaps=False):
+def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gaps=False, slots=True):
+    """... with `slots`: later launches kept whole and merged (summed) once at the end where a
+    pass's first launch writes the results (exec/fused.py Slots), else launch by launch."""
+    import dtcp.exec.ring as ring_mod
     from dtcp.kernels.math import MathKernel
     dtcp.exec.route.clear_routes()  # (pooled rank processes: the route read below must be this call's)
     n = dist.get_world_size()
@@ -187,6 +190,20 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gap
         return varlen_fwd(self, *a, **k)
 
     MathKernel.varlen_forward = counting_varlen
+    kept = {"merged": 0, "summed": 0}
+    merge_slots, sum_slots = ring_mod.merge_slots_, ring_mod.sum_slots_
+
+    def counting_merge(*a, **k):
+        kept["merged"] += 1
+        return merge_slots(*a, **k)
+
+    def counting_sum(*a, **k):
+        kept["summed"] += 1
+        return sum_slots(*a, **k)
+
+    ring_mod.merge_slots_, ring_mod.sum_slots_ = counting_merge, counting_sum
+    setting = dtcp.config.override(merge_slots_bytes=dtcp.config.merge_slots_bytes if slots else 0)
+    setting.__enter__()
     try:
         layout = dtcp.layout_from_spec(layout_spec)
         s = sum(docs)
@@ -214,8 +231,10 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gap
         most_ranges = max((len(w.ranges) for step in fused or () for li in step for w in (li.q, li.k) if w.gapped),
                           default=0)
         return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks),
-                "fused": fused is not None, "gapped": gapped, "most_gapped_ranges": most_ranges}
+                "fused": fused is not None, "gapped": gapped, "most_gapped_ranges": most_ranges, **kept}
     finally:
+        setting.__exit__(None, None, None)
+        ring_mod.merge_slots_, ring_mod.sum_slots_ = merge_slots, sum_slots
         MathKernel.varlen_forward, MathKernel.varlen_one_launch = varlen_fwd, False
         MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
@@ -241,12 +260,19 @@ RANK_CASES = [  # (world size, layout spec, documents, window)
 ]
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "launch_by_launch"])
 @pytest.mark.parametrize("gaps", [False, True], ids=["gather", "gaps"])
 @pytest.mark.parametrize("n,spec,docs,window", RANK_CASES, ids=str)
-def test_one_launch_per_step_exact(n, spec, docs, window, gaps):
+def test_one_launch_per_step_exact(n, spec, docs, window, gaps, slots):
     """Exact in float64 with launches that gather rows and keys lying apart, and with launches
-    that read them in place between gaps (FA4's seqused; the math kernel's varlen loop stands in)."""
-    results = run_ranks(n, one_launch_errors, spec, docs, window, gaps=gaps)
+    that read them in place between gaps (FA4's seqused; the math kernel's varlen loop stands in);
+    the later launches' outputs and dQ kept whole and merged once at the end (`slots`), or merged
+    and added launch by launch."""
+    results = run_ranks(n, one_launch_errors, spec, docs, window, gaps=gaps, slots=slots)
+    # kept: the forward merges and the backward sums once a pass, on the same ranks
+    assert all(r["merged"] == r["summed"] <= (1 if slots else 0) for r in results), results
+    if slots and spec in ("zigzag", "contiguous"):  # (every later launch's rows one range)
+        assert sum(r["merged"] for r in results) > 0, results
     if not gaps:
         assert all(r["gapped"] == 0 for r in results)
     elif spec.startswith(("balanced@1:40", "balanced@1:33", "doczigzag")):
@@ -293,7 +319,7 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
     it is > 1: exec/grouped.py), twice: as it runs (the local step's first launch writes out, lse,
     dq, dk, dv straight into the results; float32 only for the rows and keys that later launches,
     the chains' returns or the groups' shares add to), and with every row and key through float32
-    (the hulls forced to all). Returns whether the results are bitwise equal, their dtypes, whether
+    (the hulls forced to all, launch by launch: no slots, exec/fused.py Slots). Returns whether the results are bitwise equal, their dtypes, whether
     the direct writes ran and the ring ran in groups; step by step also the hulls' share of the
     rank's rows and keys."""
     import dtcp.exec.fused as fused_mod
@@ -303,6 +329,7 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
     from dtcp.exec.fused import fills_keys, fills_rows, fused_steps, landing, launches_of, takes_gaps
     from dtcp.plan.fuse import later_keys
     executor = grouped_mod if size > 1 else ring_mod  # (whose hulls are forced)
+    slots_bytes = dtcp.config.merge_slots_bytes
     dtcp.exec.route.clear_routes()
     MathKernel.varlen_one_launch = True
     MathKernel.varlen_gaps = gaps
@@ -320,6 +347,7 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
                 if hulls == "all":  # every later launch on the float32 accumulator, over every row
                     executor.landing = lambda passes, gaps: fused_mod.Landing((0, s), None, (0, s))
                     executor.later_keys = lambda launches, returned: (0, s)
+                    dtcp.config.merge_slots_bytes = 0  # (... launch by launch: no slots)
                 local = [layout.shard(t, dim=2).detach().requires_grad_() for t in full[:3]]
                 out, lse = dtcp.ring_attention(*local, layout=layout, is_causal=True, window_size=window,
                                                return_lse=True, enable_gqa=True, strategy="ring", backend="math",
@@ -333,6 +361,9 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
         got = {"direct": fused is not None and fills_rows(fused[0], local_len),
                "launches": sum(map(len, fused)) if fused is not None else None,
                "grouped": grouped_mod.grouped(route.plan, route.kernel, route.steps_per_launch),
+               # (the "own" run kept its later launches whole: Slots)
+               "slots": size == 1 and fused is not None and fills_rows(fused[0], local_len) and
+               sum(map(len, fused)) > 1 and fused_mod.slots_of(fused, torch.device("cpu")) is not None,
                "bitwise": [torch.equal(a, b) for a, b in zip(*results)],
                "dtypes": [str(x.dtype) for x in results[0]]}
         if size == 1:
@@ -345,6 +376,7 @@ def direct_write_results(spec, docs, window, heads=(4, 2), batch=1, gaps=False, 
                        keys_in_float32=max(0, keys_hull[1] - keys_hull[0]) / local_len)
         return got
     finally:
+        dtcp.config.merge_slots_bytes = slots_bytes
         executor.landing, executor.later_keys = landing, later_keys
         MathKernel.varlen_one_launch = MathKernel.varlen_gaps = False
         dtcp.exec.route.clear_routes()
@@ -373,6 +405,8 @@ def test_the_first_launch_writes_the_results_directly(n, spec, docs, window, hea
         assert all(r["bitwise"]), r
         assert r["dtypes"][0] == "torch.bfloat16" and r["dtypes"][1] == "torch.float32", r
     assert any(r["direct"] for r in results), results
+    if spec in ("zigzag", "balanced:8,8,8"):  # (kept whole, compared with float32 over every row)
+        assert any(r["slots"] for r in results), results
     if spec.startswith(("balanced:8,8,8,8", "balanced@1")):
         assert any(r["direct"] and r["rows_in_float32"] < 1 for r in results), results
     if spec == "balanced:8,8,8,8":  # documents held whole: one launch, nothing in float32

@@ -41,6 +41,41 @@ def test_simulated_ranks_in_groups_are_exact(n, layout, docs, window, size, monk
         assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
 
 
+SLOT_CASES = [(n, dtcp.Zigzag(), None, (-1, -1)) for n in (2, 4, 8)] + [
+    (3, dtcp.Contiguous(), None, (5, 0)), (4, dtcp.Contiguous(), (9, 14, 3, 6), (-1, -1)),
+    (4, dtcp.Contiguous(), None, (-1, -1))] + CASES  # (the last: later steps' tasks of equal values)
+
+
+@pytest.mark.parametrize("n,layout,docs,window", SLOT_CASES, ids=str)
+@pytest.mark.parametrize("one_launch", [False, True], ids=["tasks", "launches"])
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "launch_by_launch"])
+def test_later_launches_kept_whole_are_exact(n, layout, docs, window, one_launch, slots, monkeypatch):
+    """A pass whose local step writes the results keeps its later tasks' (launches') outputs and
+    dQ whole and merges (sums) them once at its end (exec/fused.py Slots; task by task: plain
+    causal zigzag, windows, documents on contiguous ranks): exact in float64, and counted (every
+    rank with a later task merges once a pass and sums once, forward and backward; none with
+    dtcp.config.merge_slots_bytes = 0, or when the slots would pass it)."""
+    from dtcp.exec import ring
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", one_launch)
+    calls = {"merge": 0, "sum": 0}
+    merge_slots, sum_slots = ring.merge_slots_, ring.sum_slots_
+    monkeypatch.setattr(ring, "merge_slots_", lambda *a: calls.__setitem__("merge", calls["merge"] + 1)
+                        or merge_slots(*a))
+    monkeypatch.setattr(ring, "sum_slots_", lambda *a: calls.__setitem__("sum", calls["sum"] + 1) or sum_slots(*a))
+    with dtcp.config.override(merge_slots_bytes=dtcp.config.merge_slots_bytes if slots else 0):
+        assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 2, 2, 4), seed=9)
+    assert calls["merge"] == calls["sum"], calls
+    if not slots:
+        assert calls["merge"] == 0
+    elif not one_launch and docs is None:  # task by task: every rank with later tasks (contiguous: not rank 0)
+        assert calls["merge"] == (n if isinstance(layout, dtcp.Zigzag) else n - 1), calls
+    if slots:  # ... and none where they would pass the setting (one byte)
+        calls.update(merge=0, sum=0)
+        with dtcp.config.override(merge_slots_bytes=1):
+            assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 2, 2, 4), seed=9)
+        assert calls == {"merge": 0, "sum": 0}, calls
+
+
 def assert_simulation_exact(schedule, n, layout, docs, window, heads, seed):
     """`schedule` (tests/sim_ranks.py) on float64 inputs equals single-process attention to 1e-10."""
     s = sum(docs) if docs else 8 * n
@@ -137,7 +172,8 @@ def test_fused_accumulators_start_as_the_local_launch(monkeypatch):
     merges = []
     monkeypatch.setattr(dtcp.exec.ring, "merge_launch_", lambda *a: merges.append(a[3]) or F.merge_launch_(*a))
     n, layout, docs, window = CASES[1]
-    assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
+    with dtcp.config.override(merge_slots_bytes=0):  # (launch by launch: no slots, exec/fused.py Slots)
+        assert_simulation_exact(simulated_ring, n, layout, docs, window, heads=(4, 4, 4, 4), seed=5)
     launches = sum(len(s) for p in ring_plans(layout, sum(docs) // n, n, True,
                                               AttnMask.make(True, window, segments_of(docs)))
                    for s in F.fused_steps(p, KERNELS["math"], torch.device("cpu")))

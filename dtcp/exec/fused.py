@@ -223,6 +223,111 @@ def landing(passes: tuple, gaps: bool) -> Landing:
     return got
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Where a pass's later launches (all but its first, which writes the results) keep their
+    outputs whole, to merge (forward) or sum (backward dQ) once at the end (exec/merge.py
+    merge_slots_ / sum_slots_) instead of launch by launch.
+
+    Why: a launch-by-launch merge reads and writes a float32 accumulator over the launch's rows
+    (10 bytes an element per launch for bf16), where a launch's kept output is 2 bytes written
+    (by the kernel itself, into its slot) and 2 read once. On a short pass this is most of
+    dtcp's own device time: causal 32K over 8 ranks, 0.9 of a rank's 7.7 ms (issue 23's profile).
+
+      spans   (a, e, offset) per later launch, in launch order: its query rows [a, e) are rows
+              offset.. of the slots
+      at      {(step, launch or task index in the step): its (a, e, offset)} (by position: one
+              object may stand in two steps)
+      rows    the slots' length in rows (each launch's rows once)
+      table   the spans as a (C, 3) int32 tensor on the device, for the Triton kernels"""
+
+    spans: tuple
+    at: dict
+    rows: int
+    table: torch.Tensor
+
+
+_SLOTS: dict = {}
+
+
+def slots_of(passes: tuple, device) -> Optional[Slots]:
+    """The Slots of a pass whose launches run in the order of `passes` (its first launch writes
+    the results), or None where a later launch's rows do not tile one range (gathered, or apart
+    in a window): those merge launch by launch. Cached with the launches, as `landing` is."""
+    order = [li for site in passes for li in site]
+    key = (tuple(tuple(map(id, site)) for site in passes), device)
+    hit = _SLOTS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], order)):
+        return hit[1]
+    got, spans, at, off = None, [], {}, 0
+    if all(li.q.span is not None and not li.q.gapped for li in order[1:]):
+        for t, site in enumerate(passes):
+            for i, li in enumerate(site):
+                if t == 0 and i == 0:
+                    continue  # (the first launch writes the results)
+                a, e = li.q.span
+                spans.append((a, e, off))
+                at[t, i] = spans[-1]
+                off += e - a
+        table = torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device)
+        got = Slots(tuple(spans), at, off, table)
+    bounded_put(_SLOTS, key, (tuple(order), got))
+    return got
+
+
+def pass_slots(passes: tuple, device, fits) -> Optional[Slots]:
+    """slots_of where a pass keeps its later launches whole: the setting is on (config
+    merge_slots_bytes > 0), there are later launches, their rows tile ranges, and `fits(rows)`
+    says the slots' bytes are within the setting."""
+    if config.merge_slots_bytes <= 0 or sum(len(site) for site in passes) < 2:
+        return None
+    slots = slots_of(passes, device)
+    return slots if slots is not None and fits(slots.rows) else None
+
+
+def slot_rows(slots_x: torch.Tensor, b: int, where: tuple) -> torch.Tensor:
+    """Launch rows [a, e) of batch row b of a (B, R, H, D) slots tensor, (e - a, H, D) contiguous
+    (b = slice(None): a task's, every batch row, (B, e - a, H, D))."""
+    a, e, off = where
+    return slots_x[b, off:off + e - a]
+
+
+def slot_lse(slots_lse: torch.Tensor, where: tuple, batch: int, heads: int) -> torch.Tensor:
+    """A launch's (B, H, e - a) lse block of a (B * H * R,) slots lse, contiguous."""
+    a, e, off = where
+    return slots_lse[batch * heads * off:batch * heads * (off + e - a)].view(batch, heads, e - a)
+
+
+_TASK_SLOTS: dict = {}
+
+
+def task_slots(plan: RingPlan, device, fits) -> Optional[Slots]:
+    """The Slots of a ring pass run task by task whose local step writes the results: each task
+    after the local step, in order (a task's rows are one range), where the setting is on, there
+    are such tasks and `fits(rows)` (as pass_slots). Cached with the plan."""
+    if config.merge_slots_bytes <= 0 or not any(step.tasks for step in plan.steps[1:]):
+        return None
+    got = _task_slots(plan, device)
+    return got if fits(got.rows) else None
+
+
+def _task_slots(plan: RingPlan, device) -> Slots:
+    key = (id(plan), device)
+    hit = _TASK_SLOTS.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    spans, at, off = [], {}, 0
+    for t, step in enumerate(plan.steps):
+        for j, task in enumerate(step.tasks if t else ()):
+            spans.append((task.q_start, task.q_end, off))
+            at[t, j] = spans[-1]
+            off += task.q_end - task.q_start
+    table = torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device)
+    got = Slots(tuple(spans), at, off, table)
+    bounded_put(_TASK_SLOTS, key, (plan, got))
+    return got
+
+
 def direct_results(shape, dtype, acc, device, later: tuple[int, int]):
     """(result, accumulator) of a pass whose first launch writes `result` (B, H, L, D) itself:
     the accumulator (float32; float64 for float64) serves only the rows (keys) `later`, a hull,
@@ -408,21 +513,24 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
 
 def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,
                      into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0), dq_result=None,
-                     land_q: Optional[Landing] = None):
+                     land_q: Optional[Landing] = None, dq_slot: Optional[torch.Tensor] = None):
     """One launch's backward on batch row b, its dQ landed: added into the accumulator's rows, or
     (`into_q`: the dQ result, which the pass's first launch writes) written there and its rows
     `later_q` seeded into the accumulator. `fixed_b`: (dout, q, out, dQ accumulator) rows of row b.
     Returns the launch's (dK, dV) for the caller to add; or None where `into_kv` (the dK and dV
     results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each).
     `land_q`: where it routes this launch's rows (Landing.of), its dQ is added into the
-    accumulator or the dQ result (`dq_result`, (B, H, L, D)) by role (add_runs_)."""
+    accumulator or the dQ result (`dq_result`, (B, H, L, D)) by role (add_runs_). `dq_slot`:
+    where the launch's dQ rows are kept whole (Slots), summed at the end of the pass instead."""
     dout_b, q_b, out_b, dq_b = fixed_b
-    into = dict(dq=None if into_q is None else rows(into_q, b),
+    into = dict(dq=dq_slot if into_q is None else rows(into_q, b),
                 dk=None if into_kv is None else rows(into_kv[0], b),
                 dv=None if into_kv is None else rows(into_kv[1], b))
     dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_rows, v_rows, out_b, lse_b, li, scale, softcap, **into)
     runs = None if land_q is None or into_q is not None else land_q.of(li)
-    if runs is not None:
+    if dq_slot is not None:
+        pass  # (summed with the other kept launches' at the end of the pass)
+    elif runs is not None:
         add_runs_(dq_b, rows(dq_result, b), li.q, dq_t, runs, land_q, li)
     elif into_q is None:
         add_rows_(dq_b, li.q, dq_t)

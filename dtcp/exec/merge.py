@@ -273,3 +273,143 @@ if triton is not None:
         y = tl.where(from_res[:, None], x_res, x_acc) + tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(r_ptrs, y.to(res_ptr.dtype.element_ty), mask=mask & to_res[:, None])
         tl.store(a_ptrs, y.to(acc_ptr.dtype.element_ty), mask=mask & (to_res == 0)[:, None])
+
+
+# ---- later launches kept whole, merged once (exec/fused.py Slots) ----------------------------------------
+def merge_slots_(out: torch.Tensor, lse: torch.Tensor, slot_out: torch.Tensor, slot_lse: torch.Tensor,
+                 spans: tuple, table: Optional[torch.Tensor]) -> None:
+    """In place: fold every kept launch's (out, lse) into the results its pass's first launch
+    wrote, in one pass over them (exec/fused.py Slots).
+
+    out: (B, H, L, Dv) in the inputs' dtype, lse: (B, H, L) float32 (float64 for float64), both
+    the first launch's. slot_out: (B, R, H, Dv) and slot_lse: (B * H * R,): launch c's rows [a, e)
+    of `spans` (a, e, offset) are rows offset.. of slot_out and the (B, H, e - a) block at
+    B * H * offset of slot_lse, as the kernel wrote them. `table`: the spans as a (C, 3) int32 tensor on the
+    device (the Triton kernel's), or None. Each row's parts merge in float32 and its output is
+    rounded once: no float32 accumulator is read or written between launches. Only the rows
+    between the first kept row and the last are read and written (the rest keep the first
+    launch's results as they are)."""
+    lo, hi = _hull(spans)
+    if hi <= lo:
+        return
+    if table is not None and _slots_on_triton(out, lse, slot_out):
+        bsz, h, l, d = out.shape
+        block_d = triton.next_power_of_2(d)
+        block_l = max(1, 4096 // block_d)
+        _merge_slots_kernel[(bsz * h, triton.cdiv(hi - lo, block_l))](
+            out, lse, slot_out, slot_lse, table, len(spans), bsz, h, lo, hi, d,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+            slot_out.stride(0), slot_out.stride(1), slot_out.stride(2),
+            BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+        )
+        return
+    # The torch merge launch by launch, in launch order, per batch row, on views shaped as exec/fused.py
+    # merge_launch_'s (a float32 accumulator over every row): elementwise exp and log then run the
+    # same loops (the vector body and its scalar tail), so both give the same bits on any CPU.
+    bsz, h = out.shape[:2]
+    run_out, run_lse = out.to(lse.dtype), lse.clone()
+    for b in range(bsz):
+        for a, e, off in spans:
+            _merge_torch(run_out[b:b + 1, :, a:e], run_lse[b:b + 1, :, a:e],
+                         slot_out[b, off:off + e - a].transpose(0, 1).unsqueeze(0),
+                         slot_lse[bsz * h * off:bsz * h * (off + e - a)].view(bsz, h, e - a)[b].unsqueeze(0))
+    out[:, :, lo:hi].copy_(run_out[:, :, lo:hi])
+    lse[:, :, lo:hi].copy_(run_lse[:, :, lo:hi])
+
+
+def sum_slots_(grad: torch.Tensor, slots: torch.Tensor, spans: tuple, table: Optional[torch.Tensor],
+               acc: torch.dtype) -> None:
+    """In place: grad (B, H, L, D), which the pass's first launch wrote, plus every kept launch's
+    gradient rows (slots (B, R, H, D): launch c's rows [a, e) at rows offset.. of `spans`), summed
+    in `acc` (float32; float64 for float64) and rounded once. `table` as in merge_slots_; only
+    the rows between the first kept row and the last are read and written."""
+    lo, hi = _hull(spans)
+    if hi <= lo:
+        return
+    if table is not None and _slots_on_triton(grad, slots):
+        bsz, h, l, d = grad.shape
+        block_d = triton.next_power_of_2(d)
+        block_l = max(1, 4096 // block_d)
+        _sum_slots_kernel[(bsz * h, triton.cdiv(hi - lo, block_l))](
+            grad, slots, table, len(spans), h, lo, hi, d,
+            grad.stride(0), grad.stride(1), grad.stride(2), slots.stride(0), slots.stride(1), slots.stride(2),
+            BLOCK_L=block_l, BLOCK_D=block_d, num_warps=4,
+        )
+        return
+    total = grad[:, :, lo:hi].to(acc)
+    for a, e, off in spans:
+        total[:, :, a - lo:e - lo].add_(slots[:, off:off + e - a].transpose(1, 2))
+    grad[:, :, lo:hi].copy_(total)
+
+
+def _hull(spans) -> tuple[int, int]:
+    """The rows from the first kept launch's first row to the last one's last: (0, 0) for none."""
+    return (min(a for a, _, _ in spans), max(e for _, e, _ in spans)) if spans else (0, 0)
+
+
+def _slots_on_triton(*tensors: torch.Tensor) -> bool:
+    return (triton is not None and config.merge != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+            and tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16) and tensors[0].shape[-1] <= 256)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_slots_kernel(
+        out_ptr, lse_ptr, so_ptr, sl_ptr, table_ptr, C, B, H, LO, HI, D,
+        so_b, so_h, so_l, sl_b, sl_h, sl_l, sso_b, sso_r, sso_h,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        b, h, rows, cols = _tile(H, BLOCK_L, BLOCK_D)
+        rows += LO  # (the rows [LO, HI) the kept launches reach)
+        rmask = rows < HI
+        cmask = cols[None, :] < D
+        mask = rmask[:, None] & cmask
+        l_ptrs = lse_ptr + b * sl_b + h * sl_h + rows * sl_l
+        o_ptrs = out_ptr + b * so_b + h * so_h + rows[:, None] * so_l + cols[None, :]
+        # Online over the parts: m the largest lse so far, s the sum of exp(lse_i - m), acc the
+        # sum of exp(lse_i - m) * o_i. A part without keys (lse -inf) weighs 0, its values unread.
+        m = tl.load(l_ptrs, mask=rmask, other=float("-inf"))
+        s = tl.where(m == float("-inf"), 0.0, 1.0)
+        acc = tl.where(s[:, None] > 0, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32), 0.0)
+        for c in range(C):
+            a = tl.load(table_ptr + 3 * c)
+            e = tl.load(table_ptr + 3 * c + 1)
+            off = tl.load(table_ptr + 3 * c + 2)
+            act = rmask & (rows >= a) & (rows < e)
+            lc = tl.load(sl_ptr + (B * off + b * (e - a)) * H + h * (e - a) + (rows - a), mask=act,
+                         other=float("-inf")).to(tl.float32)
+            oc = tl.load(so_ptr + b * sso_b + (off + rows - a)[:, None] * sso_r + h * sso_h + cols[None, :],
+                         mask=act[:, None] & cmask, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, lc)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_ref)
+            beta = tl.exp(lc - m_ref)
+            acc = acc * alpha[:, None] + tl.where(beta[:, None] > 0, oc * beta[:, None], 0.0)
+            s = s * alpha + beta
+            m = m_new
+        inv = tl.where(s > 0, 1.0 / s, 0.0)
+        tl.store(o_ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(l_ptrs, tl.where(s > 0, m_ref + tl.log(s), float("-inf")), mask=rmask)
+
+    @triton.jit
+    def _sum_slots_kernel(
+        g_ptr, s_ptr, table_ptr, C, H, LO, HI, D,
+        sg_b, sg_h, sg_l, ss_b, ss_r, ss_h,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        b, h, rows, cols = _tile(H, BLOCK_L, BLOCK_D)
+        rows += LO  # (the rows [LO, HI) the kept launches reach)
+        rmask = rows < HI
+        cmask = cols[None, :] < D
+        g_ptrs = g_ptr + b * sg_b + h * sg_h + rows[:, None] * sg_l + cols[None, :]
+        total = tl.load(g_ptrs, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
+        for c in range(C):
+            a = tl.load(table_ptr + 3 * c)
+            e = tl.load(table_ptr + 3 * c + 1)
+            off = tl.load(table_ptr + 3 * c + 2)
+            act = rmask & (rows >= a) & (rows < e)
+            total += tl.load(s_ptr + b * ss_b + (off + rows - a)[:, None] * ss_r + h * ss_h + cols[None, :],
+                             mask=act[:, None] & cmask, other=0.0).to(tl.float32)
+        tl.store(g_ptrs, total.to(g_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)

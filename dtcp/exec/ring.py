@@ -14,6 +14,12 @@ Plans may have fewer steps than ranks (sliding windows, documents) and up to two
 travel forward (shift +1) and then backward (shift -1); the first step of a chain receives the
 sender's own K/V (see dtcp/plan/ring.py). Each chain sends only the blocks it uses.
 
+Where the local step writes the results (its first launch covers every row, or its tasks are
+disjoint and kept), the later launches or tasks write their outputs and lse into slots instead,
+merged into the results once at the end of the pass (exec/fused.py Slots, exec/merge.py
+merge_slots_; up to `config.merge_slots_bytes`): no float32 accumulator read and written between
+them, and in the backward their dQ likewise (sum_slots_).
+
 Backward: dQ accumulates locally, and so does the share of a rank's own block. For the other
 blocks a dK/dV accumulator (float32) starts at the first holder of a chain and travels with the
 block one step behind its K/V: a rank adds its share after computing and passes it on. At the end
@@ -31,14 +37,15 @@ from __future__ import annotations
 import torch
 
 from ..comm.p2p import NoComm
+from ..config import config
 from ..kernels import Kernel, acc_dtype
-from ..kernels.base import seq_slice
+from ..kernels.base import landed, seq_slice
 from ..plan import RingPlan
 from ..plan.fuse import later_keys
 from .fused import (add_rows_, backward_launch_, direct_results, fills_keys, fills_rows, finish_gradients,
                     finish_results, fused_steps, gradient_results, landing, launch_forward, launches_of, merge_launch_,
-                    rows, seed_later_, takes_gaps)
-from .merge import apply_sink_, merge_into_
+                    pass_slots, rows, seed_later_, slot_lse, slot_rows, takes_gaps, task_slots)
+from .merge import apply_sink_, merge_into_, merge_slots_, sum_slots_
 
 
 def _covers_all_rows(step, local_len: int) -> bool:
@@ -106,10 +113,19 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     keep_local = sink is None and plan.local_calls_disjoint and fused is None
     merged = plan.merged_rows if keep_local else (0, local_len)
     direct = sink is None and fused is not None and fills_rows(fused[0], local_len)
-    # The later launches' rows: run by run into the result or the accumulator (exec/fused.py
+    # Where the local step writes the results (its first launch covers every row, or its disjoint
+    # tasks are kept), the later launches' (tasks') outputs are kept whole in slots where they fit
+    # (exec/fused.py Slots) and merged into the results once at the end: no float32 accumulator
+    # between them. Else their rows run by run into the result or the accumulator (exec/fused.py
     # Landing: a row that one of them reaches never goes through float32), else the hull.
-    land = landing(fused, takes_gaps(kernel)) if direct else None
-    later = land.seed if direct else (0, local_len)
+    heads, lse_bytes = q.shape[1], torch.finfo(acc).bits // 8
+
+    def fits(n: int) -> bool:
+        return q.shape[0] * n * heads * (v.shape[-1] * q.element_size() + lse_bytes) <= config.merge_slots_bytes
+    slots = pass_slots(fused, q.device, fits) if direct else \
+        task_slots(plan, q.device, fits) if keep_local and plan.steps[0].tasks else None
+    land = landing(fused, takes_gaps(kernel)) if direct and slots is None else None
+    later = land.seed if land is not None else (0, 0) if direct else (0, local_len)
 
     def no_keys_lse() -> torch.Tensor:  # lse of rows that have seen no key yet
         return torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -118,8 +134,11 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
     if keep_local and not plan.steps[0].tasks:  # every local row is padding
         out, lse_acc = torch.zeros(out_shape, dtype=q.dtype, device=q.device), no_keys_lse()
     if direct:  # (rows outside `later` are never read or written here: no fill)
-        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, land.acc)
+        out, out_acc = direct_results(out_shape, q.dtype, acc, q.device, land.acc if land is not None else (0, 0))
         lse_acc = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
+    if slots is not None:
+        slots_out = torch.empty((q.shape[0], slots.rows, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
+        slots_lse = torch.empty((q.shape[0] * heads * slots.rows,), dtype=acc, device=q.device)
 
     for t, step in enumerate(plan.steps):
         works = None
@@ -143,6 +162,11 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                         launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap, into=(final, lse_acc[b]))
                         seed_later_(out_b, final, later)  # the rows later launches merge into, in float32
                         continue
+                    if slots is not None:  # kept whole, merged at the end
+                        at = slots.at[t, i]
+                        launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap,
+                                       into=(slot_rows(slots_out, b, at), slot_lse(slots_lse, at, q.shape[0], heads)[b]))
+                        continue
                     o, l = launch_forward(kernel, q_b, k_b, v_b, li, scale, softcap)
                     if fill and i == 0:
                         out_b.copy_(o)
@@ -151,8 +175,14 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
                         merge_launch_(out_b, lse_acc[b], li, o, l, rows(out, b), land)
                     else:
                         merge_launch_(out_b, lse_acc[b], li, o, l)
-        for task in step.tasks if fused is None else ():
+        for j, task in enumerate(step.tasks if fused is None else ()):
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
+            if t > 0 and slots is not None:  # kept whole, merged at the end
+                at = slots.at[t, j]
+                into = (slot_rows(slots_out, slice(None), at).transpose(1, 2), slot_lse(slots_lse, at, q.shape[0], heads))
+                landed(kernel.forward_into(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, *into,
+                                           softcap=softcap), into)
+                continue
             o, l = kernel.forward(q[qs], cur[0][ks], cur[1][ks], task.lo, task.hi, scale, softcap=softcap)
             if t == 0 and keep_local:
                 whole = _covers_all_rows(step, local_len)
@@ -176,6 +206,8 @@ def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, so
         if works is not None:
             comm.wait(works)
             cur = nxt
+    if slots is not None:
+        merge_slots_(out, lse_acc, slots_out, slots_lse, slots.spans, slots.table)
     if out_acc is None and not keep_local:  # no task at all: every row is padding
         out_acc, lse_acc = torch.zeros(out_shape, dtype=acc, device=q.device), no_keys_lse()
     comm.finish()
@@ -237,10 +269,19 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
     # returned them except on the rows (keys) other steps add to, which sum in float32.
     fused = fused_steps(plan, kernel, q.device)
     keep_local = plan.local_calls_disjoint and fused is None
+    # The later launches' (tasks') dQ kept whole in slots where they fit, summed into the result
+    # once at the end (as the forward's outputs, exec/fused.py Slots), in the dtype the kernel
+    # returns them in (not rounded again).
+    dq_kept = kernel.grad_dtype(q.dtype)
+
+    def fits(n: int) -> bool:
+        return q.shape[0] * n * q.shape[1] * q.shape[3] * dq_kept.itemsize <= config.merge_slots_bytes
+    slots = dq_slots = None
     if keep_local:
         dq_rows = plan.merged_rows
         home_keys = plan.returned_keys if moves else (0, 0)  # (NoComm: nothing comes home)
         grads = dq_acc = own_dkv = None
+        slots = task_slots(plan, q.device, fits) if plan.steps[0].tasks else None
         if not plan.steps[0].tasks:
             grads = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     else:
@@ -253,15 +294,20 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         fill_q = fused is not None and fills_rows(fused[0], local_len)
         fill_kv = fused is not None and fills_keys(fused[0], k.shape[2])
         launches = launches_of(fused) if fill_q or fill_kv else None
-        land_q = landing(fused, takes_gaps(kernel)) if fill_q else None  # (as the forward's rows)
-        later_q = land_q.seed if fill_q else (0, 0)
+        # (as the forward's rows: slots where they fit, else landed by role)
+        slots = pass_slots(fused, q.device, fits) if fill_q else None
+        land_q = landing(fused, takes_gaps(kernel)) if fill_q and slots is None else None
+        later_q = land_q.seed if land_q is not None else (0, 0)
         # (the returned keys count with NoComm too, which adds nothing: the copies are timed as a ring's)
         later_kv = later_keys(launches, plan.returned_keys) if fill_kv else (0, 0)
 
-        dq_out, dq_acc = gradient_results(q, acc, fill_q, land_q.acc if fill_q else (0, 0))
+        dq_out, dq_acc = gradient_results(q, acc, fill_q, land_q.acc if land_q is not None else (0, 0))
+
         # Gradients of this rank's own K/V: its own share plus what comes home at the chains' ends.
         (dk_out, dk_acc), (dv_out, dv_acc) = (gradient_results(x, acc, fill_kv, later_kv) for x in (k, v))
         own_dkv = (dk_acc, dv_acc)
+    if slots is not None:
+        dq_slots = torch.empty((q.shape[0], slots.rows) + q.shape[1:2] + q.shape[3:], dtype=dq_kept, device=q.device)
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
     dkv_works = fixed_rows = None
 
@@ -286,12 +332,22 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                                              into_q=dq_out if first and fill_q else None,
                                              into_kv=(dk_out, dv_out) if first and fill_kv else None,
                                              later_q=later_q, dkv_acc=(dk_acc, dv_acc), later_kv=later_kv,
-                                             dq_result=dq_out, land_q=land_q)
+                                             dq_result=dq_out, land_q=land_q,
+                                             dq_slot=None if first or dq_slots is None else
+                                             slot_rows(dq_slots, b, slots.at[t, i]))
                     if grads is not None:
                         block_grads.append((b, li.k) + grads)
                     del grads
-        for task in step.tasks if fused is None else ():
+        for j, task in enumerate(step.tasks if fused is None else ()):
             qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
+            if t > 0 and slots is not None:  # its dQ kept whole, summed at the end
+                into = slot_rows(dq_slots, slice(None), slots.at[t, j]).transpose(1, 2)
+                got = kernel.backward_into(dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi,
+                                           scale, into, softcap=softcap)
+                _, dk_t, dv_t = landed(got, (into, None, None))
+                block_grads.append((None, ks, dk_t, dv_t))
+                del dk_t, dv_t
+                continue
             dq_t, dk_t, dv_t = kernel.backward(
                 dout[qs], q[qs], cur[0][ks], cur[1][ks], out[qs], lse[qs], task.lo, task.hi, scale, softcap=softcap
             )
@@ -310,7 +366,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             del dq_t, dk_t, dv_t
         if t == 0 and keep_local:
             # the local calls are all in: float32 only for the rows and keys others add to
-            dq_acc = _rows(grads[0], *dq_rows).to(acc)  # (the rows themselves for float64)
+            if slots is None:  # (kept: dQ is summed into the result at the end)
+                dq_acc = _rows(grads[0], *dq_rows).to(acc)  # (the rows themselves for float64)
             own_dkv = tuple(_rows(g, *home_keys).to(acc) for g in grads[1:])
         if t == 0:
             travelling = own_dkv  # the own block's gradients never leave
@@ -360,10 +417,15 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
             comm.wait(kv_works)
             cur = nxt
     comm.finish()
+    if not keep_local and dq_slots is not None:
+        sum_slots_(dq_out, dq_slots, slots.spans, slots.table, acc)
     if not keep_local:
         return finish_gradients(((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
                                  (dv_out, dv_acc, later_kv, v)))
-    _rows(grads[0], *dq_rows).copy_(dq_acc)
+    if slots is not None:
+        sum_slots_(grads[0], dq_slots, slots.spans, slots.table, acc)
+    else:
+        _rows(grads[0], *dq_rows).copy_(dq_acc)
     for g, summed in zip(grads[1:], own_dkv):
         _rows(g, *home_keys).copy_(summed)
     return grads

@@ -413,7 +413,10 @@ def accumulator_traffic(steps, local_len: int, gaps: bool = False) -> int:
     bytes, write 4) and back at the end (read 4, write 2), and each later launch merges (read 4 +
     2, write 4), 16 more where its rows are scattered (gathered in, merged, scattered back). Where
     the first launch does not cover every row: a zero fill (4) and the final cast (read 4, write
-    2) over every row, and a merge per launch. `steps`: fused_launches(plan)."""
+    2) over every row, and a merge per launch. `steps`: fused_launches(plan). (Where the pass
+    keeps its later launches whole instead (exec/fused.py Slots: each later launch's rows read
+    once, 2, and their hull read and written once, 4), this still counts the landing: the cost
+    model's ring is then a little dearer than what runs; unmeasured against the transfers.)"""
     first = steps[0][0] if steps and steps[0] else None
     fill = first is not None and first.q_span == (0, local_len)
     if fill:

@@ -92,6 +92,26 @@ def test_ring_bf16_within_the_kernels_own_error(backend, n, name, make_layout, d
     within_the_kernels_own_error(simulated_ring, backend, n, name, make_layout, docs, window)
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "launch_by_launch"])
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("name,make_layout,docs,window", CASES, ids=[c[0] for c in CASES])
+def test_ring_bf16_slots_and_launch_by_launch(backend, name, make_layout, docs, window, slots, monkeypatch):
+    """At N = 4, the later launches' outputs and dQ kept whole and merged (summed) once a pass
+    (exec/fused.py Slots, the default), and merged and added launch by launch: both within the
+    kernel's own error. Counts the passes that kept their launches: some on the cases whose later
+    launches' rows are one range each, none with the setting at 0."""
+    import dtcp.exec.ring as ring_mod
+    kept = []
+    merge_slots = ring_mod.merge_slots_
+    monkeypatch.setattr(ring_mod, "merge_slots_", lambda *a, **k: kept.append(1) or merge_slots(*a, **k))
+    with dtcp.config.override(merge_slots_bytes=dtcp.config.merge_slots_bytes if slots else 0):
+        within_the_kernels_own_error(simulated_ring, backend, 4, name, make_layout, docs, window)
+    if not slots:
+        assert not kept
+    elif name in ("causal zigzag", "window contiguous", "documents zigzag"):
+        assert kept, name
+
+
 DOC_CASES = [c for c in CASES if c[2] is not None]
 
 
@@ -167,6 +187,68 @@ def within_the_kernels_own_error(schedule, backend, n, name, make_layout, docs, 
             worst = max(worst, ratio)
             assert ring_err <= 1.5 * own_err, (name, n, backend, r, key, ring_err, own_err)
     print(f"\n{schedule.__name__} {backend} n={n} {name}: worst schedule/kernel error ratio {worst:.3f}")
+
+
+def _slots_case(seed=7, batch=2, h=4, length=1024, d=128):
+    """A pass's first-launch results and four kept launches (over rows 100-999, 500-999, 100-299
+    and 600-639: rows 0-99 and 1000-1023 reach none; rows without keys in the first launch and in
+    some kept ones), as exec/merge.py merge_slots_ / sum_slots_ take them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spans = ((100, 1000, 0), (500, 1000, 900), (100, 300, 1400), (600, 640, 1600))
+    rows = 1640
+    out = torch.randn(batch, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
+    lse = 3 * torch.randn(batch, h, length, device="cuda", generator=g)
+    out[:, :, 100:120], lse[:, :, 100:120] = 0.0, float("-inf")
+    slot_out = torch.randn(batch, rows, h, d, device="cuda", generator=g).to(torch.bfloat16)
+    slot_lse = 3 * torch.randn(batch * h * rows, device="cuda", generator=g)  # (B, H, T) per launch (fused.slot_lse)
+    slot_lse[batch * h * 900:].view(-1)[:37] = float("-inf")  # rows 500-536 of the second kept launch, b 0, head 0
+    table = torch.tensor(spans, dtype=torch.int32, device="cuda")
+    return out, lse, slot_out, slot_lse, spans, table
+
+
+def test_triton_slots_merge_as_exact_as_launch_by_launch():
+    """exec/merge.py merge_slots_: the kept launches merged into the first launch's results in one
+    Triton pass, against float64: as close as merging them launch by launch into a float32
+    accumulator (the Triton merge, cast back once), for out and lse; rows without keys in every
+    part stay (0, -inf); no NaN."""
+    from dtcp.exec import merge as M
+    out, lse, slot_out, slot_lse, spans, table = _slots_case()
+    assert M._slots_on_triton(out, lse, slot_out)
+    got_out, got_lse = out.clone(), lse.clone()
+    unread = slot_out.clone()
+    unread[0, 900:937, 0] = float("nan")  # (a part without keys is not read: whatever its rows hold)
+    M.merge_slots_(got_out, got_lse, unread, slot_lse, spans, table)
+    want_out, want_lse = out.double(), lse.double()
+    M.merge_slots_(want_out, want_lse, slot_out.double(), slot_lse.double(), spans, None)  # (torch, float64)
+    seq_out, seq_lse = out.float(), lse.clone()  # launch by launch, float32, cast back once
+    bsz, h = out.shape[:2]
+    for a, e, off in spans:
+        M.merge_into_(seq_out[:, :, a:e], seq_lse[:, :, a:e], slot_out[:, off:off + e - a].transpose(1, 2),
+                      slot_lse[bsz * h * off:bsz * h * (off + e - a)].view(bsz, h, e - a))
+    seq_out = seq_out.to(torch.bfloat16)
+    assert not got_out.isnan().any() and not got_lse.isnan().any()
+    err = lambda a, b: (a.double() - b).abs().max().item()  # noqa: E731
+    assert err(got_out, want_out) <= 1.01 * err(seq_out, want_out), (err(got_out, want_out), err(seq_out, want_out))
+    finite = want_lse.isfinite()
+    assert torch.equal(got_lse.isfinite(), finite)
+    assert err(got_lse[finite], want_lse[finite]) <= 1e-5
+    assert (got_out[:, :, 100:120].float() != 0).any()  # (rows without keys in the first launch took the kept ones')
+    for x, y in ((got_out, out), (got_lse, lse)):  # rows no kept launch reaches: not written
+        assert torch.equal(x[:, :, :100], y[:, :, :100]) and torch.equal(x[:, :, 1000:], y[:, :, 1000:])
+
+
+def test_triton_slots_sum_equals_the_float32_adds():
+    """exec/merge.py sum_slots_: the first launch's dQ plus every kept launch's, in one Triton pass:
+    the bits of float32 adds in launch order (the torch form), rounded once."""
+    from dtcp.exec import merge as M
+    out, _, slot_out, _, spans, table = _slots_case(seed=8)
+    assert M._slots_on_triton(out, slot_out)
+    got = out.clone()
+    M.sum_slots_(got, slot_out, spans, table, torch.float32)
+    want = out.clone()
+    M.sum_slots_(want, slot_out, spans, None, torch.float32)
+    assert torch.equal(got, want) and not torch.equal(got, out)
+    assert torch.equal(got[:, :, :100], out[:, :, :100]) and torch.equal(got[:, :, 1000:], out[:, :, 1000:])
 
 
 def test_triton_merge_with_a_row_mask():
@@ -328,6 +410,40 @@ def test_launch_into_strided_results_equals_a_fresh_launch(backend, hkv):
             assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
         for x in into + [lse_into]:  # the other batch row untouched
             assert (x[1 - b] == 7.0).all()
+
+
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("band", [(None, 0), (None, None), (-700, 0)], ids=["causal", "full", "window"])
+def test_block_into_slots_equals_a_fresh_call(backend, band):
+    """A later ring task writes its out, lse (forward) and dQ (backward) into its slot (exec/fused.py
+    Slots: a (B, T, H, D) piece of a (B, R, H, D) tensor, seen as (B, H, T, D), strided over the
+    batch): what the kernel returns as fresh tensors, the forward bit for bit, dQ to one bf16
+    rounding (as above); the rest of the slots untouched."""
+    kernel = KERNELS[backend]
+    g = torch.Generator(device="cuda").manual_seed(9)
+    batch, lq, lk, rows_all, off = 2, 1024, 2048, 3000, 700
+    q, dout = (torch.randn(batch, HQ, lq, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, HKV, lk, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    why = kernel.feature_reason(q, v, None, False) or kernel.reject_reason(q, k, [])
+    if why is not None:
+        pytest.skip(f"{backend}: {why}")
+    # (bottom-right: the block's last row sees the last key)
+    lo, hi = (None if x is None else x + lk - lq for x in band)
+    scale = D ** -0.5
+    out, lse = kernel.forward(q, k, v, lo, hi, scale)
+    dq, _, _ = kernel.backward(dout, q, k, v, out, lse, lo, hi, scale)
+    slots = torch.full((batch, rows_all, HQ, D), 7.0, device="cuda", dtype=torch.bfloat16)
+    slots_lse = torch.full((batch * HQ * rows_all,), 7.0, device="cuda")
+    dq_slots = torch.full_like(slots, 7.0)
+    piece = lambda x: x[:, off:off + lq].transpose(1, 2)  # noqa: E731
+    lse_piece = slots_lse[batch * HQ * off:batch * HQ * (off + lq)].view(batch, HQ, lq)
+    kernel.forward_into(q, k, v, lo, hi, scale, piece(slots), lse_piece)
+    kernel.backward_into(dout, q, k, v, out, lse, lo, hi, scale, piece(dq_slots))
+    assert torch.equal(piece(slots), out) and torch.equal(lse_piece, lse)
+    assert ((piece(dq_slots).float() - dq.float()).abs() <= dq.float().abs() * 2 ** -7 + 1e-6).all()
+    for x in (slots, dq_slots):
+        assert (x[:, :off] == 7.0).all() and (x[:, off + lq:] == 7.0).all()
+    assert (slots_lse[:batch * HQ * off] == 7.0).all() and (slots_lse[batch * HQ * (off + lq):] == 7.0).all()
 
 
 SYNC_CASES = [  # (bench_split case, layout, world size, ring steps per launch)
