@@ -269,8 +269,8 @@ def local_collectives():
         cache.clear()
 
 
-_KERNEL_METHODS = ("forward", "backward", "varlen_forward", "varlen_backward", "varlen_forward_into",
-                   "varlen_backward_into")
+_KERNEL_METHODS = ("forward", "backward", "forward_into", "backward_into", "varlen_forward", "varlen_backward",
+                   "varlen_forward_into", "varlen_backward_into")
 
 
 @contextlib.contextmanager
@@ -1179,6 +1179,7 @@ def main(argv=None) -> dict:
                   seq_scale=args.seq_scale, world_sizes=list(world_sizes), strategies=list(strategies),
                   warmup=args.warmup, iters=args.iters, point_seconds=args.point_seconds, quick=args.quick,
                   ring_steps_per_launch=dtcp_config.ring_steps_per_launch,
+                  merge_slots_bytes=dtcp_config.merge_slots_bytes,
                   fa4=fa4_status or "available", lognormal_fit=dict(zip(("mu", "sigma"), lognormal_fit()))),
         cases=[], points=[], auto=[], errors=[], skipped=[],
     )
