@@ -72,3 +72,38 @@ def test_compile_inductor():
     for r in results:
         assert r["graph_breaks"] == 0 and r["frames"] == 1, r
         assert r["max_err"] < 1e-5, r  # inductor fuses the projections differently in float32
+
+
+def compiled_ring_keeps_later_blocks(layout, n_steps=3):
+    """compiled_vs_eager with the ring forced, counting the passes that kept their later blocks
+    whole (exec/fused.py Slots: merge_slots_ / sum_slots_), compiled and eager together."""
+    from dtcp.exec import ring
+    calls = {"merge": 0, "sum": 0}
+    merge_slots, sum_slots = ring.merge_slots_, ring.sum_slots_
+
+    def merge(*a):
+        calls["merge"] += 1
+        return merge_slots(*a)
+
+    def add(*a):
+        calls["sum"] += 1
+        return sum_slots(*a)
+    ring.merge_slots_, ring.sum_slots_ = merge, add
+    try:
+        got = compiled_vs_eager("aot_eager", layout, steps=n_steps, strategy="ring")
+    finally:
+        ring.merge_slots_, ring.sum_slots_ = merge_slots, sum_slots
+    return {**got, **calls}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_compiled_ring_keeps_later_blocks_whole(layout):
+    """The ring's later blocks kept whole and merged once a pass (the default where they fit),
+    under torch.compile(fullgraph=True, aot_eager) on 2 ranks: one graph, never recompiled, equal
+    to eager; every pass with later blocks (each step's forward and backward, compiled and eager:
+    zigzag on both ranks, contiguous on rank 1) merged and summed once."""
+    for rank, r in enumerate(run_ranks(2, compiled_ring_keeps_later_blocks, layout, timeout=300)):
+        assert r["graph_breaks"] == 0 and r["frames"] == 1, r
+        assert r["max_err"] < 1e-12, r
+        want = 2 * 3 if layout == "zigzag" or rank == 1 else 0  # (compiled and eager, 3 steps)
+        assert r["merge"] == r["sum"] == want, (rank, r)
