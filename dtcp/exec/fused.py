@@ -231,8 +231,9 @@ class Slots:
 
     Why: a launch-by-launch merge reads and writes a float32 accumulator over the launch's rows
     (10 bytes an element per launch for bf16), where a launch's kept output is 2 bytes written
-    (by the kernel itself, into its slot) and 2 read once. On a short pass this is most of
-    dtcp's own device time: causal 32K over 8 ranks, 0.9 of a rank's 7.7 ms (issue 23's profile).
+    (by the kernel itself, into its slot) and 2 read once. On a short pass this was most of
+    dtcp's own device time: causal 32K over 8 ranks, about 1.1 ms of a rank's 7.7 ms in dQ adds,
+    merges and copies (one H200; 0.46 ms left with slots: docs/performance-log.md).
 
       spans   (a, e, offset) per later launch, in launch order: its query rows [a, e) are rows
               offset.. of the slots
