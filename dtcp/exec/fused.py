@@ -260,20 +260,21 @@ def slots_of(passes: tuple, device) -> Optional[Slots]:
     hit = _SLOTS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], order)):
         return hit[1]
-    got, spans, at, off = None, [], {}, 0
-    if all(li.q.span is not None and not li.q.gapped for li in order[1:]):
-        for t, site in enumerate(passes):
-            for i, li in enumerate(site):
-                if t == 0 and i == 0:
-                    continue  # (the first launch writes the results)
-                a, e = li.q.span
-                spans.append((a, e, off))
-                at[t, i] = spans[-1]
-                off += e - a
-        table = torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device)
-        got = Slots(tuple(spans), at, off, table)
+    got = None
+    if all(li.q.span is not None and not li.q.gapped for li in order[1:]):  # (the first writes the results)
+        got = _slots([((t, i), li.q.span) for t, site in enumerate(passes) for i, li in enumerate(site)][1:], device)
     bounded_put(_SLOTS, key, (tuple(order), got))
     return got
+
+
+def _slots(blocks, device) -> Slots:
+    """The Slots of later blocks given as ((step, index in the step), (a, e)), in launch order."""
+    spans, at, off = [], {}, 0
+    for where, (a, e) in blocks:
+        spans.append((a, e, off))
+        at[where] = spans[-1]
+        off += e - a
+    return Slots(tuple(spans), at, off, torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device))
 
 
 def pass_slots(passes: tuple, device, fits) -> Optional[Slots]:
@@ -317,14 +318,8 @@ def _task_slots(plan: RingPlan, device) -> Slots:
     hit = _TASK_SLOTS.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    spans, at, off = [], {}, 0
-    for t, step in enumerate(plan.steps):
-        for j, task in enumerate(step.tasks if t else ()):
-            spans.append((task.q_start, task.q_end, off))
-            at[t, j] = spans[-1]
-            off += task.q_end - task.q_start
-    table = torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device)
-    got = Slots(tuple(spans), at, off, table)
+    got = _slots([((t, j), (task.q_start, task.q_end)) for t, step in enumerate(plan.steps) if t
+                  for j, task in enumerate(step.tasks)], device)
     bounded_put(_TASK_SLOTS, key, (plan, got))
     return got
 
