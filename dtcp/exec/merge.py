@@ -293,7 +293,7 @@ def merge_slots_(out: torch.Tensor, lse: torch.Tensor, slot_out: torch.Tensor, s
     if hi <= lo:
         return
     if table is not None and _slots_on_triton(out, lse, slot_out):
-        bsz, h, l, d = out.shape
+        bsz, h, _, d = out.shape
         block_d = triton.next_power_of_2(d)
         block_l = max(1, 4096 // block_d)
         _merge_slots_kernel[(bsz * h, triton.cdiv(hi - lo, block_l))](
@@ -327,7 +327,7 @@ def sum_slots_(grad: torch.Tensor, slots: torch.Tensor, spans: tuple, table: Opt
     if hi <= lo:
         return
     if table is not None and _slots_on_triton(grad, slots):
-        bsz, h, l, d = grad.shape
+        bsz, h, _, d = grad.shape
         block_d = triton.next_power_of_2(d)
         block_l = max(1, 4096 // block_d)
         _sum_slots_kernel[(bsz * h, triton.cdiv(hi - lo, block_l))](
@@ -348,8 +348,8 @@ def _hull(spans) -> tuple[int, int]:
 
 
 def _slots_on_triton(*tensors: torch.Tensor) -> bool:
-    return (triton is not None and config.merge != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
-            and tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16) and tensors[0].shape[-1] <= 256)
+    """can_land_in_one_launch, with a head dim one tile holds (as _use_triton)."""
+    return can_land_in_one_launch(*tensors) and tensors[0].shape[-1] <= 256
 
 
 if triton is not None:
