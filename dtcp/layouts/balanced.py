@@ -9,8 +9,10 @@ neither blindly. For the batch's document lengths it builds candidate placements
   2N-1-r of each), which balances their causal work exactly; their odd tokens go to the ranks
   holding the fewest so far, so token counts never differ by more than one;
 * every other document, longest first, is *placed whole* on the rank with the least work among
-  those with room for it; what fits nowhere fills the remaining room in rank order, split at rank
-  boundaries (a piece then sees its earlier piece one rank back);
+  those with room for it; what fits nowhere goes whole after all where the shortest documents
+  placed so far, taken back, and it can fill every rank's remaining room exactly (`_exact_fill`);
+  only what still fits nowhere fills the remaining room in rank order, split at rank boundaries
+  (a piece then sees its earlier piece one rank back);
 * or, in a second candidate for each k, a document that would overload its best whole home (or
   has none) goes whole there or is cut zigzag-style over a *window* of g consecutive ranks
   (cyclically; 2g chunks), whichever makes the slowest of them fastest. A window needs ring
@@ -21,8 +23,10 @@ neither blindly. For the batch's document lengths it builds candidate placements
 Each candidate (k = 0, 1, 2, 3, 4, 6, 8, ..., with and without windows) is judged by its slowest
 rank's time, `_rank_time`: its (query, key) pairs plus what its ring steps with work cost the
 host and the device (`STEP_HOST_CHUNKS` says why: on small batches over many ranks the steps,
-not the imbalance, bound a rank). Of the candidates within `TOLERANCE` of the fastest, the one
-whose ranks share the fewest tokens wins. A document is cut over g ranks only if its 2g chunks
+not the imbalance, bound a rank). Of the candidates within `TOLERANCE` of the fastest, those
+within it of the fastest device time (`_device_time`: where the host bounds every candidate
+alike, the work still differs) are kept, and of them the one whose ranks share the fewest tokens
+wins. A document is cut over g ranks only if its 2g chunks
 hold at least `min_chunk` (default 512) tokens each (smaller pieces cost the kernels more than
 the imbalance they remove). Equal documents that divide evenly are placed whole (no
 communication at all); a long-tailed mix cuts its few long documents. Work is counted as a
@@ -215,24 +219,34 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     def consider(k: int, windows: bool) -> None:
         pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows)
         slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
+        device = max(_device_time(w, s, min_chunk) for w, s in zip(work, steps))
         shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
-        candidates.append((slowest, shared, pieces, k))
+        candidates.append((slowest, device, shared, pieces, k))
 
     for k in _cut_counts(cuttable):
         consider(k, False)
     # Windows (a search per overloading document, host time) for the fewest cuts and for the
     # best k without them only: what windows replace is cuts over all ranks.
-    for k in sorted({0, min(candidates)[3]}):
+    for k in sorted({0, min(candidates)[4]}):
         consider(k, True)
     fastest = min(c[0] for c in candidates)
-    best = min((c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest), key=lambda c: (c[1], c[0]))
-    return tuple(_local_order(p) for p in best[2])
+    near = [c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest]
+    # Where the host bounds every candidate (the same steps), their device time still differs:
+    # the GPU is loaded behind other work in a training step, and an imbalanced rank is slower
+    # there (log-normal, N = 8: two candidates of 8 steps each, one 2.0x the mean's pairs).
+    quickest = min(c[1] for c in near)
+    best = min((c for c in near if c[1] <= (1 + TOLERANCE) * quickest), key=lambda c: (c[2], c[0]))
+    return tuple(_local_order(p) for p in best[3])
 
 
 def _rank_time(work: float, steps: int, min_chunk: int) -> float:
     """A rank's time in causal pairs: `work` pairs over `steps` ring steps with work (STEP_HOST_CHUNKS says why)."""
-    unit = min_chunk * min_chunk
-    return max(STEP_HOST_CHUNKS * unit * steps, work + STEP_DEVICE_CHUNKS * unit * steps)
+    return max(STEP_HOST_CHUNKS * min_chunk * min_chunk * steps, _device_time(work, steps, min_chunk))
+
+
+def _device_time(work: float, steps: int, min_chunk: int) -> float:
+    """A rank's device time in causal pairs: `_rank_time` without the host's part."""
+    return work + STEP_DEVICE_CHUNKS * min_chunk * min_chunk * steps
 
 
 def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
@@ -298,6 +312,36 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         density[i] = rest_work / rest_tokens if rest_tokens else 0.0
         rest_work += _causal_pairs(0, rest[i][0])
         rest_tokens += rest[i][0]
+    def refill(leftover: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The documents that fit nowhere whole, placed whole after all where possible: the
+        shortest documents placed whole are taken back (2N, 4N, ... of them) until they and the
+        leftover fill every rank's free room exactly (`_exact_fill`). Placed longest first by
+        work, the whole documents leave the last few rooms a few tokens each (log-normal, N = 8:
+        1 to 17 tokens on six ranks), which split the last documents over up to five ranks; the
+        short documents taken back cost little work wherever they go. Returns what is still
+        left over (no exact fill among the documents shorter than min_chunk)."""
+        shortest = sorted(d for d in placed if d[0] < min_chunk)
+        take = 2 * n
+        while True:
+            back = shortest[:take]
+            rooms = [per_rank - t for t in tokens]
+            for length, _, rank in back:
+                rooms[rank] += length
+            pool = [length for _, length in leftover] + [length for length, _, _ in back]
+            homes = _exact_fill(pool, rooms)
+            if homes is not None:
+                for length, start, rank in back:
+                    pieces[rank].remove(((start, start + length), 2))
+                    tokens[rank] -= length
+                    work[rank] -= _causal_pairs(0, length)
+                for (start, length), rank in zip(leftover + [(s, l) for l, s, _ in back], homes):
+                    put(rank, start, 0, length, 2)
+                return []
+            if take >= len(shortest):
+                return leftover
+            take *= 2
+
+    placed: list[tuple[int, int, int]] = []  # (length, start, rank) of each document placed whole
     leftover = []
     for i, (length, _, start) in enumerate(rest):
         whole = _causal_pairs(0, length)
@@ -318,15 +362,19 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
             if ranks is not None:
                 if len(ranks) == 1:
                     put(ranks[0], start, 0, length, 2)
+                    placed.append((length, start, ranks[0]))
                 else:
                     cut_over(ranks, start, length)
                 continue
         if home is not None:
             put(home, start, 0, length, 2)
+            placed.append((length, start, home))
         else:
             leftover.append((start, length))
-    # What fits nowhere whole fills the remaining room in rank order, in document order; a piece
-    # attends to the pieces before it.
+    if leftover:
+        leftover = refill(leftover)
+    # What fits nowhere whole even then fills the remaining room in rank order, in document order;
+    # a piece attends to the pieces before it.
     rank = 0
     for start, length in sorted(leftover):
         offset, holders = 0, []
@@ -339,6 +387,32 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
             holders.append(rank)
             offset += take
     return pieces, work, [1 + len(o) for o in offsets]
+
+
+def _exact_fill(lengths: list[int], rooms: list[int]) -> Optional[list[int]]:
+    """A rank for each of these documents such that each rank's documents fill its room exactly
+    (the rooms sum to the lengths), or None where this search finds none: rank by rank, most room
+    first, a subset of the documents left whose lengths sum to the room (a bitset of reachable
+    sums per prefix, as Python ints; the largest documents first, so the shortest stay for the
+    rooms after)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    homes: list[Optional[int]] = [None] * len(lengths)
+    for rank in sorted(range(len(rooms)), key=lambda r: (-rooms[r], r)):
+        room = rooms[rank]
+        if not room:
+            continue
+        items = [i for i in order if homes[i] is None and lengths[i] <= room]
+        mask = (1 << (room + 1)) - 1
+        reach = [1]
+        for i in items:
+            reach.append((reach[-1] | (reach[-1] << lengths[i])) & mask)
+        if not reach[-1] >> room & 1:
+            return None
+        for j in range(len(items), 0, -1):  # the sum stays reachable without item j: skip it
+            if not reach[j - 1] >> room & 1:
+                homes[items[j - 1]] = rank
+                room -= lengths[items[j - 1]]
+    return None if any(h is None for h in homes) else homes
 
 
 def _offsets(rank: int, ranks, n: int) -> set[int]:
