@@ -933,6 +933,13 @@ def auto_pick(point: Point, device, dtype) -> dict:
                 predicted_kernel_ms={p.strategy: p.kernel_s * 1e3 for p in preds})
 
 
+def placed_as_measured(point: Point, measured_work: Optional[list[int]], dtype) -> bool:
+    """Whether this checkout places `point`'s tokens as a run did that measured each rank's ring
+    work `measured_work` (its "work_per_rank"; None: not recorded, taken as placed alike)."""
+    return measured_work is None or [j.work for j in rank_jobs(point, "ring", torch.device("meta"), dtype)] \
+        == measured_work
+
+
 def replay(path: str, min_chunk: Optional[int] = None) -> dict:
     """The cost model of this checkout judged against a grid measured earlier (its JSON): each
     point's pick made anew on meta tensors (no GPU needed), against the measured times."""
@@ -954,9 +961,7 @@ def replay(path: str, min_chunk: Optional[int] = None) -> dict:
                            min_chunk)
         # A layout that places documents by itself (Balanced) may place them differently in this
         # checkout: its times then belong to another placement, so the point is not replayed.
-        measured_work = ring_work.get((a["case"], a["heads"], a["world_size"], a["layout"]))
-        if measured_work is not None and [j.work for j in rank_jobs(point, "ring", torch.device("meta"), dtype)] \
-                != measured_work:
+        if not placed_as_measured(point, ring_work.get((a["case"], a["heads"], a["world_size"], a["layout"])), dtype):
             stale += 1
             continue
         rec = dict(a, **auto_pick(point, torch.device("meta"), dtype))

@@ -33,6 +33,7 @@ printed (device / host ms per strategy) and judged against auto's pick.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
@@ -41,12 +42,14 @@ import random
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtcp  # noqa: E402
+from dtcp.layouts.balanced import balanced_placement  # noqa: E402
 from _setup import init_distributed  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -135,6 +138,37 @@ def documents_of(mask: str, s: int) -> tuple[int, ...]:
     return draw(s, 0, 1.0)
 
 
+#: The Balanced placement of each (mask, S, N) that the runs in results/ measured where their JSON
+#: does not record it (runs before the twenty-third session): fingerprints (`placement_id`) of the
+#: placement the code of 4512739 makes, which every earlier run still replayed had measured.
+MEASURED_PLACEMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   "balanced_placements_4512739.json")
+
+
+def placement_id(mask: str, s: int, n: int) -> Optional[str]:
+    """A fingerprint of the Balanced placement of `mask`'s documents at S = `s` over `n` ranks
+    (None for the masks that do not shard with Balanced): runs record it, so that a replay judges
+    a row only where this checkout places its documents as the run did."""
+    if mask not in BALANCED:
+        return None
+    runs = balanced_placement(documents_of(mask, s), n)
+    return hashlib.sha1(repr(runs).encode()).hexdigest()[:16]
+
+
+def placed_as_measured(row: dict, mask: str, s: int, n: int) -> bool:
+    """Whether this checkout places the row's documents as its run did (always, for masks that do
+    not shard with Balanced). A run that recorded no placement measured the one in
+    MEASURED_PLACEMENTS."""
+    now = placement_id(mask, s, n)
+    if now is None:
+        return True
+    recorded = row.get("placement")
+    if recorded is None:
+        with open(MEASURED_PLACEMENTS) as f:
+            recorded = json.load(f).get(f"{mask}:{s}:{n}")
+    return recorded == now
+
+
 def mask_call(mask: str, s: int):
     """(layout, window, document boundaries or None) of a point's call. Balanced (what
     layout="auto" gives a packed row) carries its documents; zigzag takes them as cu_seqlens."""
@@ -216,7 +250,8 @@ def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
                 print(f"  {strategy} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     del q, k, v, dout
     torch.cuda.empty_cache()
-    row = {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick}
+    row = {"S": s, "heads": f"{hq}/{hkv}", "mask": mask, "measured": measured, "predicted": predicted, "pick": pick,
+           "placement": placement_id(mask, s, n)}
     if host_hidden:
         row.update(device={k: d for k, (d, _) in hidden.items()}, host={k: h for k, (_, h) in hidden.items()})
     return row
@@ -234,7 +269,8 @@ def replay(path: str) -> list[dict]:
     """Re-judge a measured run (--json) with this checkout's cost model, no GPU: each point's
     call rebuilt on meta tensors (the run's world size, rank 0), predicted with the run's
     calibrated constants where its JSON holds them (else the shipped ones), auto's new pick
-    against the same measured times."""
+    against the same measured times. `placed_as_measured` is False on the rows whose documents
+    this checkout places otherwise than the run did: their times belong to another placement."""
     from dtcp.api import op_layout
     from dtcp.exec import route
     from dtcp.kernels import default_scale
@@ -252,7 +288,8 @@ def replay(path: str) -> list[dict]:
             spec, cu = op_layout(layout, cu)  # (as dtcp.explain derives the op's arguments)
             args = route.CallArgs("", spec, True, default_scale(128), "auto", window[0], window[1], "auto")
             pick, preds = route.explain(q, k, k, args, cu, n, 0)
-            rows.append(dict(row, pick=pick, predicted={p.strategy: p.total_s for p in preds}))
+            rows.append(dict(row, pick=pick, predicted={p.strategy: p.total_s for p in preds},
+                             placed_as_measured=placed_as_measured(row, mask, s, n)))
     return rows
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtcp  # noqa: E402
-from bench_strategies import STRATEGIES, documents_of, machine_of  # noqa: E402
+from bench_strategies import STRATEGIES, documents_of, machine_of, placed_as_measured, placement_id  # noqa: E402
 from dtcp.plan import decoder_layer_flops_per_token  # noqa: E402
 
 OBJECTIVES = ("call", "device", "step")
@@ -150,7 +150,8 @@ def summary(rows: list[dict]) -> str:
 
 def replay(path: str, machine=None) -> list[dict]:
     """Each row's picks again with this checkout's cost model and the run's calibrated constants
-    (or `machine`, a dtcp.plan.Machine)."""
+    (or `machine`, a dtcp.plan.Machine); `placed_as_measured` False where this checkout places the
+    row's documents otherwise than the run did (bench_strategies.placed_as_measured)."""
     with open(path) as f:
         run = json.load(f)
     rows = []
@@ -161,7 +162,8 @@ def replay(path: str, machine=None) -> list[dict]:
             head_dim = row.get("head_dim", 128)
             flops = decoder_layer_flops_per_token(row["dim"], row["ffn"], q_heads, kv_heads, head_dim)
             rows.append(dict(row, picks=picks(layout, q_heads, kv_heads, head_dim, run["world_size"], row["seq"],
-                                              flops)))
+                                              flops),
+                             placed_as_measured=placed_as_measured(row, row["mask"], row["seq"], run["world_size"])))
     return rows
 
 
@@ -205,7 +207,7 @@ def main():
     for mask in args.masks:
         layout = dtcp.Balanced(documents_of(mask, args.seq))
         row = dict(mask=mask, dim=args.dim, ffn=args.ffn, layers=args.layers, heads=args.heads,
-                   head_dim=args.head_dim, seq=args.seq,
+                   head_dim=args.head_dim, seq=args.seq, placement=placement_id(mask, args.seq, n),
                    step_s=step_times(layers, x0, layout, q_heads != kv_heads, args.iters),
                    picks=picks(layout, q_heads, kv_heads, args.head_dim, n, args.seq, flops))
         # strategy="auto" itself, under each objective: its live route (the pick, agreed by the ranks)

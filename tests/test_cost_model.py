@@ -280,43 +280,42 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
 
 @pytest.mark.parametrize("name,masks,points,within_5", [
     ("strategies_2xh100_2026-11-26.json", ("causal",), 2, 2),
-    ("strategies_2xh100_2026-11-26c.json", None, 9, 7),
-    ("strategies_2xh100_2026-11-26d.json", None, 9, 6),
-    # 4x H100 with the real transfers, the tip of 2026-11-27 (eighth session): Pareto s0, log-normal
+        # 4x H100 with the real transfers, the tip of 2026-11-27 (eighth session): Pareto s0, log-normal
     # s0 and long-tailed documents at 128K on Balanced; the ring within 1.8% of Ulysses on Pareto,
     # the fastest on the other two (Ulysses 1.6x and 1.3x slower with its all-to-alls)
-    ("strategies_4xh100_2026-11-27c.json", None, 3, 3),
+    # (all three are placed otherwise since the twenty-third session: strategies_4xh100_2026-11-27c.json
+    # is kept as the record, not replayed)
     # 2x H100 with the real transfers, the tip of 2026-11-27 (tenth session), on a fresh machine:
     # causal zigzag and the three Balanced mixes, all at 128K; the ring the fastest on the mixes
     # (Ulysses 1.1-2.3x slower), 3.7% behind Ulysses on causal
-    ("strategies_2xh100_2026-11-27e.json", None, 4, 4),
+    ("strategies_2xh100_2026-11-27e.json", None, 1, 1),
     # The whole grid with the real transfers (twelfth session, ring step by step): every mask at 32K
     # and 128K, heads 32/8 and 32/32, on one 4x H100 machine at 4 ranks and then at 2. The misses
     # are all at 32K, where a call is host-bound: 4 ranks, 32/32 documents (zigzag and Balanced),
     # Ulysses 8% and 18% faster than the ring taken; 2 ranks, 32/8 causal (the all-gather taken,
     # 6.8% slower than the ring), documents and Pareto (the ring taken, 14% and 7% slower than the
     # all-gather).
-    ("strategies_4xh100_2026-11-27g.json", None, 24, 22),
-    ("strategies_2xh100_2026-11-27g.json", None, 24, 21),
+    ("strategies_4xh100_2026-11-27g.json", None, 14, 13),
+    ("strategies_2xh100_2026-11-27g.json", None, 14, 12),
     # The 32K half again on a second 4x H100 machine: the same code's wall times moved by up to 21%
     # (the ring on Pareto 32/8: 9.26 -> 11.24 ms), and auto was within 5% at 7 of 12 (10 of 12 above)
-    ("strategies_4xh100_2026-11-27h.json", None, 12, 7),
+    ("strategies_4xh100_2026-11-27h.json", None, 8, 5),
     # 4x and 2x H200 (sixteenth session, two machines; causal and the three document mixes at 32K
     # and 128K, 32/8 heads): machine 1's calibration put the ring's fixed host cost at 0.87 ms (3.61
     # on machine 2) and at 32K auto took the ring over the three document mixes, at 1.6-2.1x the
     # all-gather's time; every other point within 5%
-    ("strategies_4xh200_2026-11-28.json", None, 8, 5),
-    ("strategies_2xh200_2026-11-28.json", None, 8, 8),
-    ("strategies_4xh200_2026-11-28b.json", None, 8, 8),
-    ("strategies_2xh200_2026-11-28b.json", None, 8, 8),
+    ("strategies_4xh200_2026-11-28.json", None, 3, 2),
+    ("strategies_2xh200_2026-11-28.json", None, 3, 3),
+    ("strategies_4xh200_2026-11-28b.json", None, 3, 3),
+    ("strategies_2xh200_2026-11-28b.json", None, 3, 3),
 ])
 def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
     on measured runs with the real transfers (2x and 4x H100 and H200, FA4, 2026-11-26 to 28), for the
-    points whose layout this checkout still places as it was measured. Runs "c" and "d" of the
-    2x H100 (packed documents on Balanced at 32K, 64K and 128K; "d" with varlen gaps, on another
-    machine) were taken with this local order: auto within 5% of the best at 7 and 6 of 9 points
-    at run time, and so replayed. The misses are at 32K, where an all-gather is 1.1-1.2x faster
+    points whose layout this checkout still places as it was measured (bench_strategies'
+    `placed_as_measured`: since the twenty-third session most Balanced points are placed
+    otherwise, and runs "c" and "d" of the 2x H100, packed documents on Balanced at 32K, 64K and
+    128K, where auto was within 5% of the best at 7 and 6 of 9 points, are kept as the record). The misses are at 32K, where an all-gather is 1.1-1.2x faster
     than the ring and the model has them within 0.5 ms, less than the calibration moves between
     two runs on one machine (its fixed host cost of a ring call: 3.15 ms, then 2.58 ms). Of the
     first run only the causal (zigzag) points count: its Balanced points, and all of run "b", were
@@ -325,39 +324,43 @@ def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     import os
     bench_strategies, bench = _benchmark("bench_strategies")
     rows = [row for row in bench_strategies.replay(os.path.join(bench, "results", name))
-            if masks is None or row["mask"] in masks]
+            if (masks is None or row["mask"] in masks) and row["placed_as_measured"]]
     assert len(rows) == points
     within = [row["measured"][row["pick"]] <= 1.05 * min(row["measured"].values()) for row in rows]
     assert sum(within) >= within_5, [(r["S"], r["mask"], r["pick"], r["measured"]) for r in rows]
 
 
 @pytest.mark.parametrize("name,points,left_out,within_5,kernel_within_5", [
+    # (Since the twenty-third session Balanced fills the last rooms with whole short documents and
+    # breaks ties on the host's time by the device's: most log-normal points and some Pareto ones
+    # are placed otherwise, so their measured times are left out below; on the points still placed
+    # as measured the picks are the same as before.)
     # (since the ring's first launch writes the results directly (2026-11-27) the model charges
     # float32 accumulators only over the rows later launches touch, none for a pass of one launch:
     # on grid a's 16 x 8K documents its kernel part now ranks the ring first at N = 2, 4, 8 (zigzag
     # and Balanced, 6 points), where the measured ring is the fastest or within 5% at 4 and 6-8%
     # slower at 2 (N = 2 Balanced, N = 8 zigzag): 31 -> 29. The grids measured on this code follow.)
-    ("split_h100_2026-11-26_documents_grid_a.json.gz", 33, 3, 26, 29),
-    ("split_h100_2026-11-26_documents_grid_b.json.gz", 21, 3, 18, 18),
+    ("split_h100_2026-11-26_documents_grid_a.json.gz", 28, 8, 23, 25),
+    ("split_h100_2026-11-26_documents_grid_b.json.gz", 16, 8, 14, 16),
     # Balanced with windows and steps weighed (the four long-tailed mixes; ring, all-gather, Ulysses;
     # Pareto s1 at N = 8 is placed otherwise since: the window search stops at the first width
     # that does not help)
-    ("split_h100_2026-11-26_balanced_steps.json.gz", 15, 1, 12, 12),
+    ("split_h100_2026-11-26_balanced_steps.json.gz", 4, 12, 4, 4),
     # the same grid on the final code
-    ("split_h100_2026-11-26_balanced_final_windows.json.gz", 16, 0, 11, 13),
+    ("split_h100_2026-11-26_balanced_final_windows.json.gz", 4, 12, 4, 4),
     # the first launch writing the results directly (2026-11-27): Pareto s0/s1 and causal 32K;
     # log-normal s0/s1 (zigzag and Balanced; ring, all-gather, Ulysses)
-    ("split_h100_2026-11-27_direct_a.json.gz", 20, 0, 15, 20),
-    ("split_h100_2026-11-27_direct_b.json.gz", 16, 0, 12, 14),
+    ("split_h100_2026-11-27_direct_a.json.gz", 14, 6, 12, 14),
+    ("split_h100_2026-11-27_direct_b.json.gz", 10, 6, 7, 10),
     # the same two grids on this code (the grouped ring's helpers shared with the ring's steps),
     # 2026-11-27 (eighth session): the same device times; auto's misses are the ring taken over a
     # Ulysses whose compute is faster at N = 2-8; at N = 4 on 4x H100 with the real all-to-alls
     # the ring was the faster (benchmarks/results/strategies_4xh100_2026-11-27_direct.json, _27c)
-    ("split_h100_2026-11-27_final_a.json.gz", 20, 0, 13, 20),
-    ("split_h100_2026-11-27_final_b.json.gz", 16, 0, 12, 14),
+    ("split_h100_2026-11-27_final_a.json.gz", 14, 6, 11, 14),
+    ("split_h100_2026-11-27_final_b.json.gz", 10, 6, 7, 10),
     # the same grids again on a second H100 machine (the run-to-run spread)
-    ("split_h100_2026-11-27_final2_a.json.gz", 20, 0, 15, 20),
-    ("split_h100_2026-11-27_final2_b.json.gz", 16, 0, 12, 15),
+    ("split_h100_2026-11-27_final2_a.json.gz", 14, 6, 12, 14),
+    ("split_h100_2026-11-27_final2_b.json.gz", 10, 6, 7, 10),
     # and the rest of the issue's cases on the same code: causal 128K, window (4096, 0), 16 x 8K
     # documents (zigzag and Balanced); misses: the ring over Ulysses at N = 8-16, and at N = 4-16
     # on the window
@@ -365,20 +368,20 @@ def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     # grids a and b with the ring's later launches landing rows run by run (ninth session,
     # 5dd6d18; accumulator_traffic counts the roles' bytes): the same kind of misses, all the
     # ring taken over a Ulysses whose compute is faster, at N = 2-8
-    ("split_h100_2026-11-27_landing_a.json.gz", 20, 0, 14, 20),
-    ("split_h100_2026-11-27_landing_b.json.gz", 16, 0, 12, 14),
+    ("split_h100_2026-11-27_landing_a.json.gz", 14, 6, 12, 14),
+    ("split_h100_2026-11-27_landing_b.json.gz", 10, 6, 7, 10),
     # the issue's grid on one H200 per slice (sixteenth session, the fifteenth's code; 200 s a slice,
     # so the s1 mixes and N = 16 of the s0 mixes were not reached): causal 32K, window, 16 x 8K;
     # causal 128K; Pareto s0; log-normal s0. The misses: the ring over a Ulysses whose compute is
     # faster (its all-to-alls, which the model charges, are not run on one GPU)
     ("split_h200_2026-11-28_grid_0.json.gz", 20, 0, 14, 19),
     ("split_h200_2026-11-28_grid_1.json.gz", 4, 0, 2, 4),
-    ("split_h200_2026-11-28_grid_2.json.gz", 8, 0, 7, 8),
-    ("split_h200_2026-11-28_grid_3.json.gz", 8, 0, 6, 6),
+    ("split_h200_2026-11-28_grid_2.json.gz", 6, 3, 6, 6),
+    ("split_h200_2026-11-28_grid_3.json.gz", 6, 2, 4, 6),
     # and the s1 mixes on a fifth machine (ring, all-gather, Ulysses; zigzag and Balanced; N = 2, 4 | 8)
-    ("split_h200_2026-11-28_s1_0.json.gz", 4, 0, 2, 4),
-    ("split_h200_2026-11-28_s1_1.json.gz", 2, 0, 1, 2),
-    ("split_h200_2026-11-28_s1_2.json.gz", 4, 0, 2, 4),
+    ("split_h200_2026-11-28_s1_0.json.gz", 2, 2, 1, 2),
+    ("split_h200_2026-11-28_s1_1.json.gz", 1, 1, 1, 1),
+    ("split_h200_2026-11-28_s1_2.json.gz", 2, 2, 1, 2),
     ("split_h200_2026-11-28_s1_3.json.gz", 2, 0, 2, 2),
 ])
 def test_measured_one_gpu_document_grid_replayed(name, points, left_out, within_5, kernel_within_5):
@@ -492,7 +495,9 @@ def test_auto_steps_per_launch_against_one_h100_after_the_landing_fix():
     benchmarks/results/split_h100_2026-11-27k_G1/_Gauto.json.gz). This checkout's "auto" takes
     the size measured at all 15 points; it is within 5% of the faster of the two at 14 (G = 1
     everywhere: 8). It groups at 9 points: faster at 7 (causal 32K N = 16 13.37 -> 7.83 ms), slower
-    at Pareto s1 N = 8 (+3.9%) and log-normal s1 N = 16 (+6.4%, the miss)."""
+    at Pareto s1 N = 8 (+3.9%) and log-normal s1 N = 16 (+6.4%, the miss). Since the twenty-third
+    session 8 of the 12 Balanced points are placed otherwise (left out); on the 7 left, auto is
+    within 5% at 6 (G = 1 everywhere: 2) and groups at 6, faster at 5."""
     import gzip
     import json
     import os
@@ -502,20 +507,24 @@ def test_auto_steps_per_launch_against_one_h100_after_the_landing_fix():
         with gzip.open(os.path.join(bench, "results", f"split_h100_2026-11-27k_{setting}.json.gz"), "rt") as f:
             for p in json.load(f)["points"]:
                 measured.setdefault((p["case"], p["layout"], p["world_size"]), {})[setting] = \
-                    (p["steps_per_launch"], p["slowest_ms"])
+                    (p["steps_per_launch"], p["slowest_ms"], p["work_per_rank"])
     assert len(measured) == 15
     cases = {c.name: c for c in B.build_cases(1.0)}
-    within = g1_within = grouped = faster = 0
+    within = g1_within = grouped = faster = kept = 0
     for (case, layout, n), got in sorted(measured.items()):
+        point = B.make_point(cases[case], layout, 32, 8, 128, n, "auto")
+        if not B.placed_as_measured(point, got["G1"][2], torch.bfloat16):
+            continue  # placed otherwise since (the twenty-third session's refill and tie-break)
+        kept += 1
         size, _ = _auto_ring_size(B, cases[case], layout, n)
-        (g1_size, g1_ms), (auto_size, auto_ms) = got["G1"], got["Gauto"]
+        (g1_size, g1_ms, _), (auto_size, auto_ms, _) = got["G1"], got["Gauto"]
         assert g1_size == 1 and size == auto_size, (case, n, size, auto_size)
         best = min(g1_ms, auto_ms)
         within += auto_ms <= 1.05 * best
         g1_within += g1_ms <= 1.05 * best
         grouped += size > 1
         faster += size > 1 and auto_ms < g1_ms
-    assert (within, g1_within, grouped, faster) == (14, 8, 9, 7)
+    assert (kept, within, g1_within, grouped, faster) == (7, 6, 2, 6, 5)
 
 
 def test_explain_shows_the_rings_steps_per_launch():
@@ -634,68 +643,79 @@ def test_cost_objective_from_the_environment(monkeypatch):
         Config.from_env()
 
 
-@pytest.mark.parametrize("name,objective,times,within_5", [
+@pytest.mark.parametrize("name,objective,times,kept,within_5", [
     # 4x H100 (4 ranks), every mask at 32K, 32/8 and 32/32 heads, each call timed alone (wall) and
     # with its host hidden (device; bench_strategies --host-hidden). With its host hidden the ring is
     # the fastest at 8 of 10 points (1.1-3.8x below the next fastest on the packed mixes), but its host
-    # takes 6.4-11.2 ms to queue 1.3-4.8 ms of device work, so alone it is the slowest there. Each
-    # objective gets its own time right at 8 of 10 and the other's at 3.
-    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "call", "measured", 8),
-    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "call", "device", 3),
-    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "device", "device", 8),
-    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "device", "measured", 3),
-    # at 128K the device's work dwarfs every host: both objectives pick within 5% at 10 of 10
-    ("strategies_4xh100_2026-11-27i_hidden_128k.json", "call", "measured", 10),
-    ("strategies_4xh100_2026-11-27i_hidden_128k.json", "device", "device", 10),
+    # takes 6.4-11.2 ms to queue 1.3-4.8 ms of device work, so alone it is the slowest there. On all
+    # 10, each objective got its own time right at 8 and the other's at 3; on the 6 this checkout
+    # still places as measured (docs-balanced and Pareto are placed otherwise since the twenty-third
+    # session), at 4 and 3 ("call") and 5 and 2 ("device").
+    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "call", "measured", 6, 4),
+    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "call", "device", 6, 3),
+    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "device", "device", 6, 5),
+    ("strategies_4xh100_2026-11-27i_hidden_32k.json", "device", "measured", 6, 2),
+    # at 128K the device's work dwarfs every host: both objectives picked within 5% at 10 of 10
+    # (every Balanced mask is placed otherwise now: the 4 causal and zigzag-document points are kept)
+    ("strategies_4xh100_2026-11-27i_hidden_128k.json", "call", "measured", 4, 4),
+    ("strategies_4xh100_2026-11-27i_hidden_128k.json", "device", "device", 4, 4),
     # 2 ranks at 32K: two steps, less host; the ring the fastest with its host hidden at 10 of 10
-    ("strategies_2xh100_2026-11-27i_hidden_32k.json", "call", "measured", 9),
-    ("strategies_2xh100_2026-11-27i_hidden_32k.json", "device", "device", 10),
+    # (9 and 10 within 5% on all 10; the long-tailed mixes are placed otherwise now: 6 of 6 kept)
+    ("strategies_2xh100_2026-11-27i_hidden_32k.json", "call", "measured", 6, 6),
+    ("strategies_2xh100_2026-11-27i_hidden_32k.json", "device", "device", 6, 6),
 ])
-def test_measured_runs_with_the_host_hidden_replayed(name, objective, times, within_5):
+def test_measured_runs_with_the_host_hidden_replayed(name, objective, times, kept, within_5):
     """bench_strategies' replay of the runs that timed each call alone and with its host hidden
     (10 points each): auto within 5% of the best under each objective, against the time it ranks
-    for and against the other one."""
+    for and against the other one, on the points this checkout still places as measured."""
     import os
     bench_strategies, bench = _benchmark("bench_strategies")
     with dtcp.config.override(cost_objective=objective):
         rows = bench_strategies.replay(os.path.join(bench, "results", name))
     assert len(rows) == 10 and all(row[times] for row in rows)
+    rows = [row for row in rows if row["placed_as_measured"]]
+    assert len(rows) == kept
     within = [row[times][row["pick"]] <= 1.05 * min(row[times].values()) for row in rows]
     assert sum(within) == within_5, [(r["S"], r["heads"], r["mask"], r["pick"], r[times]) for r in rows]
 
 
-@pytest.mark.parametrize("name,call_within_5,device_within_5,step_within_5", [
+@pytest.mark.parametrize("name,kept,call_within_5,device_within_5,step_within_5", [
+    # (Each run timed three Balanced batches at 32K. Since the twenty-third session this checkout
+    # places two of the three otherwise at each run's N (docs-balanced and Pareto at 4 ranks, the
+    # long-tailed mixes at 2): only the third is judged. The figures below are the runs' own, on all
+    # three.)
     # 4 layers of an 8B-class model (dim 4096, MLP 14336, 32/8 heads), 32K packed tokens over 4 H100s:
     # the layers' matmuls hide the ring's host; the ring the fastest step on all three batches
     # (0.8-8.3% ahead of the next), which "device" picks and "call" does not (it takes the all-gather)
-    ("train_step_4xh100_2026-11-27_dim4096.json", 1, 3, 3),
+    ("train_step_4xh100_2026-11-27_dim4096.json", 1, 0, 1, 1),
     # the same on a second 4x H100 machine (the script as landed): the ring again the fastest step on
     # all three (1.1-5.2% ahead of the next); "call" takes the all-gather, within 5% at 2 of 3
-    ("train_step_4xh100_2026-11-27b_dim4096.json", 2, 3, 3),
+    ("train_step_4xh100_2026-11-27b_dim4096.json", 1, 0, 1, 1),
     # dim 2048, MLP 8192, 16/8 heads: too little matmul work to hide the ring's host; the all-gather or
     # Ulysses the fastest, "call" within 1.5% on all three, "device" 8.5% slower on one (it takes the ring)
-    ("train_step_4xh100_2026-11-27_dim2048.json", 3, 2, 3),
+    ("train_step_4xh100_2026-11-27_dim2048.json", 1, 1, 0, 1),
     # the same layers on 2 H100s (16K tokens a rank; the script as landed): the ring the fastest step
     # at all six points (6.0-12.5% ahead of the next), and both objectives take it
-    ("train_step_2xh100_2026-11-27_dim4096.json", 3, 3, 3),
-    ("train_step_2xh100_2026-11-27_dim2048.json", 3, 3, 3),
+    ("train_step_2xh100_2026-11-27_dim4096.json", 1, 1, 1, 1),
+    ("train_step_2xh100_2026-11-27_dim2048.json", 1, 1, 1, 1),
     # a third 4x H100 machine, the fourteenth session (calibrated with the matmul rate: 686 and 721
     # TFLOP/s): at dim 4096 the ring again the fastest step (2.6-7.5% ahead), "call" misses one; at
     # dim 2048 "step" takes the ring where the all-gather is 8.6% faster (log-normal; the model has
     # the ring's host 5.6 ms against 4.5 ms of other work: a tie it breaks the wrong way) and 3.6%
-    ("train_step_4xh100_2026-11-27c_dim4096.json", 2, 3, 3),
-    ("train_step_4xh100_2026-11-27c_dim2048.json", 3, 2, 2),
+    ("train_step_4xh100_2026-11-27c_dim4096.json", 1, 0, 1, 1),
+    ("train_step_4xh100_2026-11-27c_dim2048.json", 1, 1, 0, 0),
 ])
-def test_measured_training_steps_replayed(name, call_within_5, device_within_5, step_within_5):
+def test_measured_training_steps_replayed(name, kept, call_within_5, device_within_5, step_within_5):
     """benchmarks/bench_train_step.py's replay: the strategy auto picks under each objective,
     against the measured step times of a stack of decoder layers. "step" (the layers' own FLOPs
-    per token; the shipped matmul rate for the runs that predate its calibration) is within 5% of
+    per token; the shipped matmul rate for the runs that predate its calibration) was within 5% of
     the fastest step at 20 of 21 points, "call" at 17 (it misses at dim 4096, up to 8.6% slower),
-    "device" at 19 (it misses at dim 2048, up to 8.6%)."""
+    "device" at 19 (it misses at dim 2048, up to 8.6%); on the 7 rows this checkout still places
+    as measured, at 6, 4 and 5."""
     import os
     bench_train_step, bench = _benchmark("bench_train_step")
-    rows = bench_train_step.replay(os.path.join(bench, "results", name))
-    assert len(rows) == 3
+    rows = [r for r in bench_train_step.replay(os.path.join(bench, "results", name)) if r["placed_as_measured"]]
+    assert len(rows) == kept
 
     def within(objective):
         return sum(r["step_s"][r["picks"][objective]] <= 1.05 * min(r["step_s"].values()) for r in rows)
@@ -703,10 +723,11 @@ def test_measured_training_steps_replayed(name, call_within_5, device_within_5, 
     assert (within("call"), within("device"), within("step")) == (call_within_5, device_within_5, step_within_5), rows
 
 
-@pytest.mark.parametrize("rate,within_5", [(400e12, 20), (900e12, 21)])
+@pytest.mark.parametrize("rate,within_5", [(400e12, 6), (900e12, 7)])
 def test_measured_training_steps_replayed_at_other_matmul_rates(rate, within_5):
     """The step objective's picks do not hang on the matmul rate: at 400 and 900 TFLOP/s (the
-    shipped 650 +- 40%) within 5% of the fastest step at 20 and 21 of the 21 points."""
+    shipped 650 +- 40%) within 5% of the fastest step at 20 and 21 of the 21 points (6 and 7 of the
+    7 this checkout still places as measured)."""
     import glob
     import os
     bench_train_step, bench = _benchmark("bench_train_step")
@@ -715,7 +736,8 @@ def test_measured_training_steps_replayed_at_other_matmul_rates(rate, within_5):
     for name in sorted(glob.glob(os.path.join(bench, "results", "train_step_*.json"))):
         with open(name) as f:
             machine = bench_strategies.machine_of(json.load(f))
-        rows = bench_train_step.replay(name, machine=dataclasses.replace(machine, matmul_flops_per_s=rate))
+        rows = [r for r in bench_train_step.replay(name, machine=dataclasses.replace(machine, matmul_flops_per_s=rate))
+                if r["placed_as_measured"]]
         within += sum(r["step_s"][r["picks"]["step"]] <= 1.05 * min(r["step_s"].values()) for r in rows)
         total += len(rows)
-    assert (within, total) == (within_5, 21)
+    assert (within, total) == (within_5, 7)
