@@ -135,4 +135,5 @@ for shape in SHAPES:
              + "\n  fwd+bwd ms: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items())
              + f"  (per-task / one-launch = {times['per-task'] / times['one-launch']:.3f})")
     print(line, flush=True)
+dist.barrier()  # no rank tears gloo down while a peer still talks to it
 dist.destroy_process_group()

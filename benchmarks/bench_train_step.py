@@ -225,6 +225,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": n, "device": args.device, "machine": str(machine), "rows": rows}, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it (a CPU run aborted at exit)
     dist.destroy_process_group()
 
 
