@@ -230,10 +230,18 @@ def one_launch_errors(layout_spec, docs, window, heads=(4, 2), d=8, batch=1, gap
         from dtcp.exec.fused import fused_steps
         fused = fused_steps(route.plan, route.kernel, q.device)
         gapped = sum(li.q.gapped or li.k.gapped for step in fused or () for li in step)
+        later = [li for step in fused or () for li in step][1:]
+        from dtcp.exec.fused import MAX_SLOT_SPANS, fills_rows
+        # later launches whose query rows lie apart, in a pass whose first launch writes the results
+        # and whose later rows are few enough ranges to keep (exec/fused.py slots_of)
+        gapped_kept = sum(li.q.gapped for li in later) if fused is not None and \
+            fills_rows(fused[0], s // n) and all(li.q.span is not None for li in later) and \
+            sum(len(li.q.ranges) for li in later) <= MAX_SLOT_SPANS else 0
         most_ranges = max((len(w.ranges) for step in fused or () for li in step for w in (li.q, li.k) if w.gapped),
                           default=0)
         return {**errs, "launches": calls["launches"], "steps": steps, "tasks": len(route.plan.tasks),
-                "fused": fused is not None, "gapped": gapped, "most_gapped_ranges": most_ranges, "keep": keep, **kept}
+                "fused": fused is not None, "gapped": gapped, "most_gapped_ranges": most_ranges, "keep": keep,
+                "gapped_kept": gapped_kept, **kept}
     finally:
         setting.__exit__(None, None, None)
         ring_mod.merge_slots_, ring_mod.sum_slots_ = merge_slots, sum_slots
@@ -281,6 +289,12 @@ def test_one_launch_per_step_exact(n, spec, docs, window, gaps, slots):
         assert sum(r["gapped"] for r in results) > 0  # the gapped path ran
     if gaps and spec.startswith("doczigzag"):  # ... with many ranges in one window (one masked merge)
         assert max(r["most_gapped_ranges"] for r in results) >= 5, results
+    # later launches whose rows lie apart are kept whole too (their windows), merged once a pass
+    for r in results:
+        if r["keep"] and r["gapped_kept"]:
+            assert r["merged"] == r["summed"] == 1, r
+    if gaps and slots is True and spec.startswith(("balanced@1:40", "balanced@1:33", "doczigzag")):
+        assert sum(r["gapped_kept"] for r in results) > 0, results
     for r in results:
         for key in KEYS:
             assert r[key] < 1e-10, (key, r)

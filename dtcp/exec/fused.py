@@ -34,7 +34,7 @@ from ..kernels.base import int32_rows, landed
 from ..plan import RingPlan
 from ..plan.fuse import FIRST, LAST, MID, ONLY, Launch, accumulator_hull, fused_launches, later_rows, row_runs
 from .allgather import bounded_put
-from .merge import NONE_ROLE, can_land_in_one_launch, land_add_, land_merge_, merge_into_
+from .merge import MASKED_RANGES, NONE_ROLE, can_land_in_one_launch, land_add_, land_merge_, merge_into_
 
 
 @dataclass(frozen=True)
@@ -235,12 +235,18 @@ class Slots:
     dtcp's own device time: causal 32K over 8 ranks, about 1.1 ms of a rank's 7.7 ms in dQ adds,
     merges and copies (one H200; 0.46 ms left with slots: docs/performance-log.md).
 
-      spans   (a, e, offset) per later launch, in launch order: its query rows [a, e) are rows
-              offset.. of the slots
-      at      {(step, launch or task index in the step): its (a, e, offset)} (by position: one
-              object may stand in two steps)
-      rows    the slots' length in rows (each launch's rows once)
-      table   the spans as a (C, 3) int32 tensor on the device, for the Triton kernels"""
+      spans   (a, e, o, base, T) per range of a later launch's query rows, in launch order:
+              the launch's output (T rows: its one range, or the window of rows that lie apart,
+              as the kernel writes them) is slot rows base..base + T, and its rows [a, e) are
+              slot rows o.. (exec/merge.py merge_slots_)
+      at      {(step, launch or task index in the step): (0, T, base)}, its output's slot rows
+              (by position: one object may stand in two steps)
+      rows    the slots' length in rows
+      table   the spans as a (C, 5) int32 tensor on the device, for the Triton kernels
+
+    A launch whose rows lie apart (a Balanced rank's high chunks of several cut documents, which
+    a later rank's low chunks reach) is kept too: one span per range, read in place from the
+    window the kernel wrote (the rows between are never read)."""
 
     spans: tuple
     at: dict
@@ -251,36 +257,53 @@ class Slots:
 _SLOTS: dict = {}
 
 
+#: the most spans (ranges of later launches' rows) a pass keeps in slots: the merge visits every
+#: span for each tile of rows, so a pass of many scattered ranges (DocZigzag: ~100 a launch)
+#: merges launch by launch instead
+MAX_SLOT_SPANS = 64
+
+
 def slots_of(passes: tuple, device) -> Optional[Slots]:
     """The Slots of a pass whose launches run in the order of `passes` (its first launch writes
-    the results), or None where a later launch's rows do not tile one range (gathered, or apart
-    in a window): those merge launch by launch. Cached with the launches, as `landing` is."""
+    the results), or None where a later launch's rows are gathered (not one range, nor apart in
+    order in a window) or its later launches' rows come in more than MAX_SLOT_SPANS ranges: those
+    merge launch by launch. Cached with the launches, as `landing` is."""
     order = [li for site in passes for li in site]
     key = (tuple(tuple(map(id, site)) for site in passes), device)
     hit = _SLOTS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], order)):
         return hit[1]
     got = None
-    if all(li.q.span is not None and not li.q.gapped for li in order[1:]):  # (the first writes the results)
-        got = _slots([((t, i), li.q.span) for t, site in enumerate(passes) for i, li in enumerate(site)][1:], device)
+    # (rows gathered into a packed launch, for a kernel that cannot read them apart in place, merge
+    # launch by launch: their merge reads the gathered rows in one piece, which slots would split)
+    if all(li.q.span is not None for li in order[1:]) and \
+            sum(len(li.q.ranges) for li in order[1:]) <= MAX_SLOT_SPANS:  # (the first writes the results)
+        got = _slots([((t, i), _output_rows(li.q), tuple((a, b, c) for a, b, c, _ in _pieces(li.q)))
+                      for t, site in enumerate(passes) for i, li in enumerate(site)][1:], device)
     bounded_put(_SLOTS, key, (tuple(order), got))
     return got
 
 
+def _output_rows(where: Where) -> int:
+    """The rows of a launch's output (its rows in one range, or the window of rows that lie apart)."""
+    return where.span[1] - where.span[0]
+
+
 def _slots(blocks, device) -> Slots:
-    """The Slots of later blocks given as ((step, index in the step), (a, e)), in launch order."""
-    spans, at, off = [], {}, 0
-    for where, (a, e) in blocks:
-        spans.append((a, e, off))
-        at[where] = spans[-1]
-        off += e - a
-    return Slots(tuple(spans), at, off, torch.tensor(spans, dtype=torch.int32).reshape(-1, 3).to(device))
+    """The Slots of later blocks given as ((step, index in the step), T, ((a, e, c), ...)) in
+    launch order: a block's output has T rows, its query rows [a, e) at rows c.. of it."""
+    spans, at, base = [], {}, 0
+    for where, t, pieces in blocks:
+        at[where] = (0, t, base)
+        spans += [(a, e, base + c, base, t) for a, e, c in pieces]
+        base += t
+    return Slots(tuple(spans), at, base, torch.tensor(spans, dtype=torch.int32).reshape(-1, 5).to(device))
 
 
 def pass_slots(passes: tuple, device, fits) -> Optional[Slots]:
     """slots_of where a pass keeps its later launches whole: the setting is on (config
-    merge_slots_bytes > 0), there are later launches, their rows tile ranges, and `fits(rows)`
-    says the slots' bytes are within the setting."""
+    merge_slots_bytes > 0), there are later launches, in at most MAX_SLOT_SPANS ranges, and
+    `fits(rows)` says the slots' bytes are within the setting."""
     if config.merge_slots_bytes <= 0 or sum(len(site) for site in passes) < 2:
         return None
     slots = slots_of(passes, device)
@@ -288,14 +311,14 @@ def pass_slots(passes: tuple, device, fits) -> Optional[Slots]:
 
 
 def slot_rows(slots_x: torch.Tensor, b: int, where: tuple) -> torch.Tensor:
-    """Launch rows [a, e) of batch row b of a (B, R, H, D) slots tensor, (e - a, H, D) contiguous
-    (b = slice(None): a task's, every batch row, (B, e - a, H, D))."""
+    """A launch's output rows (Slots.at: (0, T, base)) of batch row b of a (B, R, H, D) slots
+    tensor, (T, H, D) contiguous (b = slice(None): a task's, every batch row, (B, T, H, D))."""
     a, e, off = where
     return slots_x[b, off:off + e - a]
 
 
 def slot_lse(slots_lse: torch.Tensor, where: tuple, batch: int, heads: int) -> torch.Tensor:
-    """A launch's (B, H, e - a) lse block of a (B * H * R,) slots lse, contiguous."""
+    """A launch's (B, H, T) lse block (Slots.at: (0, T, base)) of a (B * H * R,) slots lse, contiguous."""
     a, e, off = where
     return slots_lse[batch * heads * off:batch * heads * (off + e - a)].view(batch, heads, e - a)
 
@@ -318,8 +341,8 @@ def _task_slots(plan: RingPlan, device) -> Slots:
     hit = _TASK_SLOTS.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    got = _slots([((t, j), (task.q_start, task.q_end)) for t, step in enumerate(plan.steps) if t
-                  for j, task in enumerate(step.tasks)], device)
+    got = _slots([((t, j), task.q_end - task.q_start, ((task.q_start, task.q_end, 0),))
+                  for t, step in enumerate(plan.steps) if t for j, task in enumerate(step.tasks)], device)
     bounded_put(_TASK_SLOTS, key, (plan, got))
     return got
 
@@ -373,9 +396,6 @@ def rows(x: torch.Tensor, b: int) -> torch.Tensor:
 
 #: a launch's rows or keys in at most this many ranges are copied range by range; more, one index_select
 MAX_RANGES = 32
-#: a gapped launch's rows or keys in at most this many ranges merge (add) range by range; more, once
-#: over the window with a row mask (Where.used)
-MASKED_RANGES = 4
 
 
 def _pick(x_rows: torch.Tensor, where: Where) -> torch.Tensor:

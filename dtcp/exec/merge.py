@@ -23,6 +23,12 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
+#: a launch whose rows lie apart (in order, in a window) in more than this many ranges merges (adds)
+#: once over the window with a row mask; in fewer, range by range (a window can be the rank's whole
+#: length: fewer ranges move less memory range by range)
+MASKED_RANGES = 4
+
+
 def merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
                 rows_used: Optional[torch.Tensor] = None, out_src: Optional[torch.Tensor] = None) -> None:
     """In place: fold one block's (out_blk, lse_blk) into the running (out_acc, lse_acc).
@@ -282,10 +288,12 @@ def merge_slots_(out: torch.Tensor, lse: torch.Tensor, slot_out: torch.Tensor, s
     wrote, in one pass over them (exec/fused.py Slots).
 
     out: (B, H, L, Dv) in the inputs' dtype, lse: (B, H, L) float32 (float64 for float64), both
-    the first launch's. slot_out: (B, R, H, Dv) and slot_lse: (B * H * R,): launch c's rows [a, e)
-    of `spans` (a, e, offset) are rows offset.. of slot_out and the (B, H, e - a) block at
-    B * H * offset of slot_lse, as the kernel wrote them. `table`: the spans as a (C, 3) int32 tensor on the
-    device (the Triton kernel's), or None. Each row's parts merge in float32 and its output is
+    the first launch's. slot_out: (B, R, H, Dv) and slot_lse: (B * H * R,) as the kept launches
+    wrote them: a launch whose output has T rows wrote rows base..base + T of slot_out and the
+    (B, H, T) block at B * H * base of slot_lse. `spans`: (a, e, o, base, T) per range of a
+    launch's query rows, in launch order: its rows [a, e) are slot rows o.. (o - base.. of the
+    launch's output: a launch whose rows lie apart has one span per range). `table`: the spans as
+    a (C, 5) int32 tensor on the device (the Triton kernel's), or None. Each row's parts merge in float32 and its output is
     rounded once: no float32 accumulator is read or written between launches. Only the rows
     between the first kept row and the last are read and written (the rest keep the first
     launch's results as they are)."""
@@ -306,13 +314,26 @@ def merge_slots_(out: torch.Tensor, lse: torch.Tensor, slot_out: torch.Tensor, s
     # The torch merge launch by launch, in launch order, per batch row, on views shaped as exec/fused.py
     # merge_launch_'s (a float32 accumulator over every row): elementwise exp and log then run the
     # same loops (the vector body and its scalar tail), so both give the same bits on any CPU.
+    # A launch whose rows lie apart in more than MASKED_RANGES ranges merges once over its window
+    # with a row mask, as exec/fused.py merge_launch_ merges it; else range by range.
     bsz, h = out.shape[:2]
     run_out, run_lse = out.to(lse.dtype), lse.clone()
     for b in range(bsz):
-        for a, e, off in spans:
-            _merge_torch(run_out[b:b + 1, :, a:e], run_lse[b:b + 1, :, a:e],
-                         slot_out[b, off:off + e - a].transpose(0, 1).unsqueeze(0),
-                         slot_lse[bsz * h * off:bsz * h * (off + e - a)].view(bsz, h, e - a)[b].unsqueeze(0))
+        for base, t, launch in _by_launch(spans):
+            block_out = slot_out[b, base:base + t].transpose(0, 1).unsqueeze(0)
+            block_lse = slot_lse[bsz * h * base:bsz * h * (base + t)].view(bsz, h, t)[b].unsqueeze(0)
+            if len(launch) > MASKED_RANGES:
+                w0 = launch[0][0] - (launch[0][2] - base)
+                used = torch.zeros(t, dtype=torch.bool, device=out.device)
+                for a, e, o, _, _ in launch:
+                    used[o - base:o - base + e - a] = True
+                _merge_torch(run_out[b:b + 1, :, w0:w0 + t], run_lse[b:b + 1, :, w0:w0 + t], block_out, block_lse,
+                             used)
+                continue
+            for a, e, o, _, _ in launch:
+                c = o - base
+                _merge_torch(run_out[b:b + 1, :, a:e], run_lse[b:b + 1, :, a:e], block_out[:, :, c:c + e - a],
+                             block_lse[:, :, c:c + e - a])
     out[:, :, lo:hi].copy_(run_out[:, :, lo:hi])
     lse[:, :, lo:hi].copy_(run_lse[:, :, lo:hi])
 
@@ -320,9 +341,10 @@ def merge_slots_(out: torch.Tensor, lse: torch.Tensor, slot_out: torch.Tensor, s
 def sum_slots_(grad: torch.Tensor, slots: torch.Tensor, spans: tuple, table: Optional[torch.Tensor],
                acc: torch.dtype) -> None:
     """In place: grad (B, H, L, D), which the pass's first launch wrote, plus every kept launch's
-    gradient rows (slots (B, R, H, D): launch c's rows [a, e) at rows offset.. of `spans`), summed
-    in `acc` (float32; float64 for float64) and rounded once. `table` as in merge_slots_; only
-    the rows between the first kept row and the last are read and written."""
+    gradient rows (slots (B, R, H, D): the rows [a, e) of each span (a, e, o, ...) at slot rows
+    o.., as in merge_slots_), summed in `acc` (float32; float64 for float64) and rounded once.
+    `table` as in merge_slots_; only the rows between the first kept row and the last are read
+    and written."""
     lo, hi = _hull(spans)
     if hi <= lo:
         return
@@ -337,14 +359,26 @@ def sum_slots_(grad: torch.Tensor, slots: torch.Tensor, spans: tuple, table: Opt
         )
         return
     total = grad[:, :, lo:hi].to(acc)
-    for a, e, off in spans:
-        total[:, :, a - lo:e - lo].add_(slots[:, off:off + e - a].transpose(1, 2))
+    for a, e, o, _, _ in spans:
+        total[:, :, a - lo:e - lo].add_(slots[:, o:o + e - a].transpose(1, 2))
     grad[:, :, lo:hi].copy_(total)
+
+
+def _by_launch(spans):
+    """(base, T, its spans) of each kept launch, in launch order (a launch's spans share its base)."""
+    group: list = []
+    for span in spans:
+        if group and span[3] != group[0][3]:
+            yield group[0][3], group[0][4], group
+            group = []
+        group.append(span)
+    if group:
+        yield group[0][3], group[0][4], group
 
 
 def _hull(spans) -> tuple[int, int]:
     """The rows from the first kept launch's first row to the last one's last: (0, 0) for none."""
-    return (min(a for a, _, _ in spans), max(e for _, e, _ in spans)) if spans else (0, 0)
+    return (min(span[0] for span in spans), max(span[1] for span in spans)) if spans else (0, 0)
 
 
 def _slots_on_triton(*tensors: torch.Tensor) -> bool:
@@ -373,11 +407,14 @@ if triton is not None:
         s = tl.where(m == float("-inf"), 0.0, 1.0)
         acc = tl.where(s[:, None] > 0, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32), 0.0)
         for c in range(C):
-            a = tl.load(table_ptr + 3 * c)
-            e = tl.load(table_ptr + 3 * c + 1)
-            off = tl.load(table_ptr + 3 * c + 2)
+            a = tl.load(table_ptr + 5 * c)
+            e = tl.load(table_ptr + 5 * c + 1)
+            off = tl.load(table_ptr + 5 * c + 2)
+            base = tl.load(table_ptr + 5 * c + 3)
+            t = tl.load(table_ptr + 5 * c + 4)
             act = rmask & (rows >= a) & (rows < e)
-            lc = tl.load(sl_ptr + (B * off + b * (e - a)) * H + h * (e - a) + (rows - a), mask=act,
+            # (the launch's (B, H, T) lse block at B * H * base; these rows at its columns off - base..)
+            lc = tl.load(sl_ptr + (B * base + b * t) * H + h * t + (off - base) + (rows - a), mask=act,
                          other=float("-inf")).to(tl.float32)
             oc = tl.load(so_ptr + b * sso_b + (off + rows - a)[:, None] * sso_r + h * sso_h + cols[None, :],
                          mask=act[:, None] & cmask, other=0.0).to(tl.float32)
@@ -406,9 +443,9 @@ if triton is not None:
         g_ptrs = g_ptr + b * sg_b + h * sg_h + rows[:, None] * sg_l + cols[None, :]
         total = tl.load(g_ptrs, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
         for c in range(C):
-            a = tl.load(table_ptr + 3 * c)
-            e = tl.load(table_ptr + 3 * c + 1)
-            off = tl.load(table_ptr + 3 * c + 2)
+            a = tl.load(table_ptr + 5 * c)
+            e = tl.load(table_ptr + 5 * c + 1)
+            off = tl.load(table_ptr + 5 * c + 2)
             act = rmask & (rows >= a) & (rows < e)
             total += tl.load(s_ptr + b * ss_b + (off + rows - a)[:, None] * ss_r + h * ss_h + cols[None, :],
                              mask=act[:, None] & cmask, other=0.0).to(tl.float32)

@@ -18,7 +18,9 @@ Where the local step writes the results (its first launch covers every row, or i
 disjoint and kept), the later launches or tasks write their outputs and lse into slots instead,
 merged into the results once at the end of the pass (exec/fused.py Slots, exec/merge.py
 merge_slots_; up to `config.merge_slots_bytes`): no float32 accumulator read and written between
-them, and in the backward their dQ likewise (sum_slots_).
+them, and in the backward their dQ likewise (sum_slots_). A launch whose rows lie apart in a window
+(a Balanced rank's high chunks, which a later rank's low chunks reach) is kept as its window; only
+launches whose rows are gathered (a kernel that cannot read them apart) land launch by launch.
 
 Backward: dQ accumulates locally, and so does the share of a rank's own block. For the other
 blocks a dK/dV accumulator (float32) starts at the first holder of a chain and travels with the

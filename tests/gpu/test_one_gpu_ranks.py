@@ -190,18 +190,21 @@ def within_the_kernels_own_error(schedule, backend, n, name, make_layout, docs, 
 
 
 def _slots_case(seed=7, batch=2, h=4, length=1024, d=128):
-    """A pass's first-launch results and four kept launches (over rows 100-999, 500-999, 100-299
-    and 600-639: rows 0-99 and 1000-1023 reach none; rows without keys in the first launch and in
-    some kept ones), as exec/merge.py merge_slots_ / sum_slots_ take them."""
+    """A pass's first-launch results and five kept launches (over rows 100-999, 500-999, 100-299
+    and 600-639, and one whose rows lie apart in the window 200-399: 200-249 and 330-399; rows
+    0-99 and 1000-1023 reach none; rows without keys in the first launch and in some kept ones),
+    as exec/merge.py merge_slots_ / sum_slots_ take them: spans (a, e, o, base, T)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    spans = ((100, 1000, 0), (500, 1000, 900), (100, 300, 1400), (600, 640, 1600))
-    rows = 1640
+    spans = ((100, 1000, 0, 0, 900), (500, 1000, 900, 900, 500), (100, 300, 1400, 1400, 200),
+             (600, 640, 1600, 1600, 40), (200, 250, 1640, 1640, 200), (330, 400, 1770, 1640, 200))
+    rows = 1840
     out = torch.randn(batch, h, length, d, device="cuda", generator=g).to(torch.bfloat16)
     lse = 3 * torch.randn(batch, h, length, device="cuda", generator=g)
     out[:, :, 100:120], lse[:, :, 100:120] = 0.0, float("-inf")
     slot_out = torch.randn(batch, rows, h, d, device="cuda", generator=g).to(torch.bfloat16)
     slot_lse = 3 * torch.randn(batch * h * rows, device="cuda", generator=g)  # (B, H, T) per launch (fused.slot_lse)
     slot_lse[batch * h * 900:].view(-1)[:37] = float("-inf")  # rows 500-536 of the second kept launch, b 0, head 0
+    slot_out[:, 1690:1770] = float("nan")  # the window's rows between its ranges: never written, never read
     table = torch.tensor(spans, dtype=torch.int32, device="cuda")
     return out, lse, slot_out, slot_lse, spans, table
 
@@ -222,9 +225,10 @@ def test_triton_slots_merge_as_exact_as_launch_by_launch():
     M.merge_slots_(want_out, want_lse, slot_out.double(), slot_lse.double(), spans, None)  # (torch, float64)
     seq_out, seq_lse = out.float(), lse.clone()  # launch by launch, float32, cast back once
     bsz, h = out.shape[:2]
-    for a, e, off in spans:
-        M.merge_into_(seq_out[:, :, a:e], seq_lse[:, :, a:e], slot_out[:, off:off + e - a].transpose(1, 2),
-                      slot_lse[bsz * h * off:bsz * h * (off + e - a)].view(bsz, h, e - a))
+    for a, e, o, base, t in spans:
+        c = o - base
+        M.merge_into_(seq_out[:, :, a:e], seq_lse[:, :, a:e], slot_out[:, o:o + e - a].transpose(1, 2),
+                      slot_lse[bsz * h * base:bsz * h * (base + t)].view(bsz, h, t)[:, :, c:c + e - a])
     seq_out = seq_out.to(torch.bfloat16)
     assert not got_out.isnan().any() and not got_lse.isnan().any()
     err = lambda a, b: (a.double() - b).abs().max().item()  # noqa: E731
