@@ -312,6 +312,7 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         density[i] = rest_work / rest_tokens if rest_tokens else 0.0
         rest_work += _causal_pairs(0, rest[i][0])
         rest_tokens += rest[i][0]
+
     def refill(leftover: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The documents that fit nowhere whole, placed whole after all where possible: the
         shortest documents placed whole are taken back (2N, 4N, ... of them) until they and the
