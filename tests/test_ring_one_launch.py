@@ -454,16 +454,25 @@ def test_row_and_receive_views_are_the_plain_views():
         fit_views(slot, [(1, 2, 11, 6), (1, 1, 1, 1)])
 
 
-def direct_compiled():
+def direct_compiled(gaps=False):
     """tests/test_dynamic_shapes.py's compiled Balanced layer (a new placement every step, two
-    packed lengths) with one-launch ring steps: how many first launches wrote the results
-    directly (forward, backward), and its results."""
+    packed lengths) with one-launch ring steps (`gaps`: reading rows and keys that lie apart in
+    place, as FA4 does): how many first launches wrote the results directly (forward, backward),
+    how many passes merged kept launches once (and how many of those kept a launch whose rows lie
+    apart: one span per range), and its results."""
+    from dtcp.exec import ring as ring_mod
     from dtcp.exec import route as route_mod
     from dtcp.kernels.cpu_flash import CpuFlashKernel
     from test_dynamic_shapes import balanced_compiled
 
-    runs = {"into_forward": 0, "into_backward": 0}
+    runs = {"into_forward": 0, "into_backward": 0, "merged": 0, "merged_apart": 0}
     into_fwd, into_bwd = CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into
+    merge_slots = ring_mod.merge_slots_
+
+    def counted_merge(out, lse, slot_out, slot_lse, spans, table):
+        runs["merged"] += 1
+        runs["merged_apart"] += len({span[3] for span in spans}) < len(spans)  # a launch of several spans
+        return merge_slots(out, lse, slot_out, slot_lse, spans, table)
 
     def counted_fwd(self, *a, **k):
         runs["into_forward"] += 1
@@ -474,26 +483,38 @@ def direct_compiled():
         return into_bwd(self, *a, **k)
 
     CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into = counted_fwd, counted_bwd
+    ring_mod.merge_slots_ = counted_merge
     CpuFlashKernel.varlen_one_launch = True  # (the kernel "auto" takes on CPU; its varlen loop stands in)
+    CpuFlashKernel.varlen_gaps = gaps
     try:
         return {**balanced_compiled("aot_eager"), **runs}
     finally:
         CpuFlashKernel.varlen_forward_into, CpuFlashKernel.varlen_backward_into = into_fwd, into_bwd
+        ring_mod.merge_slots_ = merge_slots
         CpuFlashKernel.varlen_one_launch = False
+        CpuFlashKernel.varlen_gaps = False
         route_mod.clear_routes()
 
 
-def test_direct_first_launch_compiled_with_new_documents_every_step():
+@pytest.mark.parametrize("gaps", [False, True], ids=["gather", "gaps"])
+def test_direct_first_launch_compiled_with_new_documents_every_step(gaps):
     """torch.compile(fullgraph=True), aot_eager, 2 ranks, one-launch ring steps whose first launch
     writes the results: equal to eager (out and every gradient), no graph break, no recompile for
-    a new document mix, one for the new packed length; the direct writes ran, compiled and eager."""
+    a new document mix, one for the new packed length; the direct writes ran, compiled and eager.
+    With `gaps`, later launches whose rows lie apart are kept whole in slots too and merged once a
+    pass (a launch of several spans)."""
     from test_dynamic_shapes import BALANCED_STEPS
     first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
-    for r in run_ranks(2, direct_compiled, timeout=400):
+    results = run_ranks(2, direct_compiled, gaps, timeout=400)
+    for r in results:
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
         assert r["into_forward"] >= 2 * len(BALANCED_STEPS) and r["into_backward"] >= 2 * len(BALANCED_STEPS), r
         assert r["frames"][:first_new_length] == [1] * first_new_length, r
         assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r
+    if gaps:
+        assert sum(r["merged_apart"] for r in results) > 0, results
+    else:  # (rows gathered: such launches land launch by launch)
+        assert sum(r["merged_apart"] for r in results) == 0, results
 
 
 def test_row_runs_route_each_row_once_through_its_launches():

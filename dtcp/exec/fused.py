@@ -278,10 +278,18 @@ def slots_of(passes: tuple, device) -> Optional[Slots]:
     # launch by launch: their merge reads the gathered rows in one piece, which slots would split)
     if all(li.q.span is not None for li in order[1:]) and \
             sum(len(li.q.ranges) for li in order[1:]) <= MAX_SLOT_SPANS:  # (the first writes the results)
-        got = _slots([((t, i), _output_rows(li.q), tuple((a, b, c) for a, b, c, _ in _pieces(li.q)))
+        got = _slots([((t, i), _output_rows(li.q), _slot_pieces(li.q))
                       for t, site in enumerate(passes) for i, li in enumerate(site)][1:], device)
     bounded_put(_SLOTS, key, (tuple(order), got))
     return got
+
+
+def _slot_pieces(where: Where) -> tuple:
+    """A launch's rows as (a, e, c): rows [a, e) at rows c.. of its output. One piece where they
+    tile one range; one a range where they lie apart (at their offsets in the window)."""
+    if not where.gapped:
+        return ((where.span[0], where.span[1], 0),)
+    return tuple((a, b, c) for a, b, c, _ in _pieces(where))
 
 
 def _output_rows(where: Where) -> int:
