@@ -305,6 +305,36 @@ def test_one_launch_per_step_exact(n, spec, docs, window, gaps, slots):
     assert any(r["fused"] for r in results)
 
 
+def _random_balanced_case(seed: int):
+    """A random packed batch for Balanced: a world size, documents of every kind (empty, one
+    token, short, long: their sum a multiple of N), a minimum chunk small enough to cut, and a
+    window or none."""
+    rng = random.Random(seed)
+    n = rng.choice([2, 3, 4, 8])
+    docs = [rng.choice([0, 1, 2, rng.randint(3, 12), rng.randint(13, 60)]) for _ in range(rng.randint(3, 12))]
+    docs.append(-sum(docs) % n + n)  # (the total a multiple of N, and at least N more tokens)
+    min_chunk = rng.choice([1, 2, 4])
+    window = rng.choice([(-1, -1), (-1, -1), (rng.randint(1, 20), 0)])
+    spec = f"balanced@{min_chunk}:" + ",".join(map(str, docs)) if min_chunk != 512 else None
+    return n, spec, tuple(docs), window
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_balanced_batches_one_launch_exact(seed):
+    """Random Balanced batches (tests/test_ring_one_launch.py _random_balanced_case) with one-launch
+    steps that read rows and keys lying apart in place (FA4's seqused; the math kernel's loop
+    stands in), later launches kept whole and merged once a pass: out, lse, dq, dk, dv exact in
+    float64 on every rank; each pass that keeps its launches merges and sums once."""
+    n, spec, docs, window = _random_balanced_case(seed)
+    results = run_ranks(n, one_launch_errors, spec, docs, window, gaps=True, slots=True)
+    for r in results:
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, seed, n, spec, window, r)
+        assert r["merged"] == r["summed"] <= 1, (seed, n, spec, window, r)
+        if r["gapped_kept"]:
+            assert r["merged"] == 1, (seed, n, spec, window, r)
+
+
 def test_the_one_gpu_test_reaches_fa4s_gapped_launches():
     """tests/gpu/test_one_gpu_ranks.py checks FA4's seqused path (rows and keys read in place
     between gaps) only if its cases make such launches: they do (counted here, on CPU), so that
