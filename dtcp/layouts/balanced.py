@@ -20,7 +20,8 @@ neither blindly. For the batch's document lengths it builds candidate placements
   too long for one rank's share of work but too short for 2N chunks of `min_chunk` tokens, and
   spares the other ranks the steps a cut over all of them adds.
 
-Each candidate (k = 0, 1, 2, 3, 4, 6, 8, ..., with and without windows) is judged by its slowest
+Each candidate (k = 0, 1, 2, 3, 4, 6, 8, ..., with and without windows, and with windows of at
+most 2 and 4 ranks) is judged by its slowest
 rank's time, `_rank_time`: its (query, key) pairs plus what its ring steps with work cost the
 host and the device (`STEP_HOST_CHUNKS` says why: on small batches over many ranks the steps,
 not the imbalance, bound a rank). Of the candidates within `TOLERANCE` of the fastest, those
@@ -81,6 +82,9 @@ STEP_DEVICE_CHUNKS = 8
 #: the most ranks a window cuts a document over (a longer one is cut over all N); it bounds the
 #: placement's search (N windows of each width), which runs on the host once per batch
 WINDOW_RANKS = 8
+#: narrower limits on a window's ranks also tried (without cuts over all ranks), each one more
+#: candidate placement (host time once per batch)
+WIDEST_TRIED = (2, 4)
 
 Run = tuple[int, int]
 
@@ -216,8 +220,8 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     # tokens (what the ring sends: cut chunks and split pieces).
     candidates = []
 
-    def consider(k: int, windows: bool) -> None:
-        pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows)
+    def consider(k: int, windows: bool, widest: int = WINDOW_RANKS) -> None:
+        pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows, widest)
         slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
         device = max(_device_time(w, s, min_chunk) for w, s in zip(work, steps))
         shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
@@ -229,6 +233,14 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     # best k without them only: what windows replace is cuts over all ranks.
     for k in sorted({0, min(candidates)[4]}):
         consider(k, True)
+    # The window search widens each document's window while its own slowest rank gets faster, one
+    # document at a time: the longest may take five ranks where four would have left the next
+    # longest a window of its own (log-normal, N = 8: 16.0K and 14.8K tokens over ranks 0-4 and
+    # 5-7 and 0, seven steps on rank 5; with windows of at most four, four steps a rank). So
+    # narrower windows are tried too.
+    for widest in WIDEST_TRIED:
+        if widest < min(WINDOW_RANKS, n - 1):
+            consider(0, True, widest)
     fastest = min(c[0] for c in candidates)
     near = [c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest]
     # Where the host bounds every candidate (the same steps), their device time still differs:
@@ -264,11 +276,11 @@ def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
     return tuple(run for group in (0, 1, 2) for run in _merged(sorted(r for r, g in pieces if g == group)))
 
 
-def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: bool):
+def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: bool, widest: int = WINDOW_RANKS):
     """(pieces per rank as (run, group), causal work per rank, ring steps with work per rank) when
     the `cut` longest documents are cut zigzag-style over all ranks and the rest placed whole or,
-    with `windows`, cut over a few consecutive ranks where whole they would overload every rank
-    with room (module docstring)."""
+    with `windows`, cut over a few consecutive ranks (at most `widest`) where whole they would
+    overload every rank with room (module docstring)."""
     tokens, work = [0] * n, [0] * n
     # (run, group): 0 a chunk of a cut document, 1 a piece of a split one, 2 a whole document
     pieces: list[list[tuple[Run, int]]] = [[] for _ in range(n)]
@@ -359,7 +371,7 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         # (a window of g >= 2 ranks needs 2g chunks of min_chunk tokens)
         if windows and length >= 4 * min_chunk and \
                 (home is None or work[home] + whole + density[i] * (per_rank - tokens[home] - length) > target):
-            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, projected, offsets)
+            ranks = _window(length, whole, home, tokens, per_rank, min_chunk, projected, offsets, widest)
             if ranks is not None:
                 if len(ranks) == 1:
                     put(ranks[0], start, 0, length, 2)
@@ -422,19 +434,19 @@ def _offsets(rank: int, ranks, n: int) -> set[int]:
 
 
 def _window(length: int, whole: int, home: Optional[int], tokens: list[int], per_rank: int, min_chunk: int,
-            projected, offsets: list[set[int]]) -> Optional[list[int]]:
+            projected, offsets: list[set[int]], widest: int = WINDOW_RANKS) -> Optional[list[int]]:
     """Where a document that would overload its best whole home (`home`, None: no rank has room
     for it) goes: whole on `home`, or cut over g consecutive ranks (cyclically: g ranks need ring
     offsets up to g - 1 both ways, so at most 2(g - 1) rounds, not N - 1), whichever leaves its
     slowest rank fastest by `projected(rank, tokens, work, new steps)`, which counts the steps a
     cut adds to each rank (`offsets`: those it has); ties go to the fewer ranks. g is at most
-    WINDOW_RANKS, N - 1 and length / (2 min_chunk) (over all N ranks is the k longest's cut); g
+    `widest` (WINDOW_RANKS), N - 1 and length / (2 min_chunk) (over all N ranks is the k longest's cut); g
     grows only while the slowest rank gets faster (the share of work falls as 1/g, the steps grow
     with g), which also bounds the search. None: no option has room (the document fills leftover
     room)."""
     n = len(tokens)
     best = None if home is None else (projected(home, length, whole), 1, [home])
-    for g in range(2, min(WINDOW_RANKS, n - 1, length // (2 * min_chunk)) + 1):
+    for g in range(2, min(widest, n - 1, length // (2 * min_chunk)) + 1):
         share = -(-length // g)
         # each rank's time with its share and no new step: a lower bound that skips most windows
         bound = [projected(r, length / g, whole / g) for r in range(n)]
