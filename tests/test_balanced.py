@@ -332,6 +332,36 @@ def test_narrower_windows_leave_the_next_document_its_own():
     assert max(placement_work(docs, 8)) <= (1 + TOLERANCE) * total / 8
 
 
+def test_narrower_windows_tried_only_where_a_wider_one_was_taken(monkeypatch):
+    """A limit on the windows' width changes the placement only where the placement without it
+    took a wider window; elsewhere the narrower candidate is skipped (host time once per batch):
+    the same placements as with every limit tried, on bench_split's mixes at N = 3-16, and some
+    limits skipped."""
+    import dtcp.layouts.balanced as balanced
+    B = _bench_split()
+    limits = balanced._narrower_limits
+    every = lambda n, widths: [w for w in balanced.WIDEST_TRIED  # noqa: E731
+                               if w < min(balanced.WINDOW_RANKS, n - 1)]
+    skipped = 0
+    for seed in range(3):
+        for draw in (B.lognormal_docs, B.pareto_docs):
+            docs = B.pad_last(draw(131072, seed, 1.0), 48)
+            for n in (3, 4, 8, 16):
+                placements = []
+                for chooser in (limits, every):
+                    monkeypatch.setattr(balanced, "_narrower_limits", chooser)
+                    balanced._placement.cache_clear()
+                    placements.append(balanced.balanced_placement(docs, n))
+                assert placements[0] == placements[1], (seed, draw.__name__, n)
+                starts = [sum(docs[:i]) for i in range(len(docs))]
+                by_length = sorted(((d, i, starts[i]) for i, d in enumerate(docs) if d), key=lambda d: (-d[0], d[1]))
+                widths: list = []
+                balanced._place(by_length, 0, n, sum(docs) // n, balanced.MIN_CHUNK, True, widths=widths)
+                skipped += len(limits(n, widths)) < len(every(n, widths))
+    balanced._placement.cache_clear()
+    assert skipped > 0
+
+
 def test_host_bound_ties_go_to_the_balanced_placement(monkeypatch):
     """Where every candidate's slowest rank is bound by the host (the same ring steps), the
     placement took the one sharing the fewest tokens whatever its work: on bench_split's

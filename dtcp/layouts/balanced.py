@@ -220,8 +220,8 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     # tokens (what the ring sends: cut chunks and split pieces).
     candidates = []
 
-    def consider(k: int, windows: bool, widest: int = WINDOW_RANKS) -> None:
-        pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows, widest)
+    def consider(k: int, windows: bool, widest: int = WINDOW_RANKS, widths: Optional[list] = None) -> None:
+        pieces, work, steps = _place(by_length, k, n, total // n, min_chunk, windows, widest, widths)
         slowest = max(_rank_time(w, s, min_chunk) for w, s in zip(work, steps))
         device = max(_device_time(w, s, min_chunk) for w, s in zip(work, steps))
         shared = max(sum(b - a for (a, b), group in p if group < 2) for p in pieces)
@@ -231,16 +231,16 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
         consider(k, False)
     # Windows (a search per overloading document, host time) for the fewest cuts and for the
     # best k without them only: what windows replace is cuts over all ranks.
+    widths: list[int] = []  # the widths of the windows the placement without cuts took
     for k in sorted({0, min(candidates)[4]}):
-        consider(k, True)
+        consider(k, True, widths=widths if k == 0 else None)
     # The window search widens each document's window while its own slowest rank gets faster, one
     # document at a time: the longest may take five ranks where four would have left the next
     # longest a window of its own (log-normal, N = 8: 16.0K and 14.8K tokens over ranks 0-4 and
     # 5-7 and 0, seven steps on rank 5; with windows of at most four, four steps a rank). So
     # narrower windows are tried too.
-    for widest in WIDEST_TRIED:
-        if widest < min(WINDOW_RANKS, n - 1):
-            consider(0, True, widest)
+    for widest in _narrower_limits(n, widths):
+        consider(0, True, widest)
     fastest = min(c[0] for c in candidates)
     near = [c for c in candidates if c[0] <= (1 + TOLERANCE) * fastest]
     # Where the host bounds every candidate (the same steps), their device time still differs:
@@ -249,6 +249,14 @@ def _placement(doc_lens: tuple[int, ...], world_size: int, min_chunk: int) -> tu
     quickest = min(c[1] for c in near)
     best = min((c for c in near if c[1] <= (1 + TOLERANCE) * quickest), key=lambda c: (c[2], c[0]))
     return tuple(_local_order(p) for p in best[3])
+
+
+def _narrower_limits(n: int, widths: list[int]) -> list[int]:
+    """The limits of WIDEST_TRIED worth a candidate over N ranks, `widths` the windows the placement
+    without cuts took: those below WINDOW_RANKS and N - 1, and below its widest window. A limit at
+    or above every window taken changes no document's choice (each window search would find the
+    same best width first), so it would give the same placement again."""
+    return [w for w in WIDEST_TRIED if w < min(WINDOW_RANKS, n - 1) and w < max(widths, default=1)]
 
 
 def _rank_time(work: float, steps: int, min_chunk: int) -> float:
@@ -276,11 +284,13 @@ def _local_order(pieces: list[tuple[Run, int]]) -> tuple[Run, ...]:
     return tuple(run for group in (0, 1, 2) for run in _merged(sorted(r for r, g in pieces if g == group)))
 
 
-def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: bool, widest: int = WINDOW_RANKS):
+def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: bool, widest: int = WINDOW_RANKS,
+           widths: Optional[list] = None):
     """(pieces per rank as (run, group), causal work per rank, ring steps with work per rank) when
     the `cut` longest documents are cut zigzag-style over all ranks and the rest placed whole or,
     with `windows`, cut over a few consecutive ranks (at most `widest`) where whole they would
-    overload every rank with room (module docstring)."""
+    overload every rank with room (module docstring). `widths`: where given, the width of each
+    window taken is appended to it."""
     tokens, work = [0] * n, [0] * n
     # (run, group): 0 a chunk of a cut document, 1 a piece of a split one, 2 a whole document
     pieces: list[list[tuple[Run, int]]] = [[] for _ in range(n)]
@@ -378,6 +388,8 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
                     placed.append((length, start, ranks[0]))
                 else:
                     cut_over(ranks, start, length)
+                    if widths is not None:
+                        widths.append(len(ranks))
                 continue
         if home is not None:
             put(home, start, 0, length, 2)
