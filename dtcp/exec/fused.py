@@ -239,7 +239,7 @@ class Slots:
               the launch's output (T rows: its one range, or the window of rows that lie apart,
               as the kernel writes them) is slot rows base..base + T, and its rows [a, e) are
               slot rows o.. (exec/merge.py merge_slots_)
-      at      {(step, launch or task index in the step): (0, T, base)}, its output's slot rows
+      at      {(step, launch or task index in the step): (base, T)}, its output's slot rows
               (by position: one object may stand in two steps)
       rows    the slots' length in rows
       table   the spans as a (C, 5) int32 tensor on the device, for the Triton kernels
@@ -302,7 +302,7 @@ def _slots(blocks, device) -> Slots:
     launch order: a block's output has T rows, its query rows [a, e) at rows c.. of it."""
     spans, at, base = [], {}, 0
     for where, t, pieces in blocks:
-        at[where] = (0, t, base)
+        at[where] = (base, t)
         spans += [(a, e, base + c, base, t) for a, e, c in pieces]
         base += t
     return Slots(tuple(spans), at, base, torch.tensor(spans, dtype=torch.int32).reshape(-1, 5).to(device))
@@ -319,16 +319,16 @@ def pass_slots(passes: tuple, device, fits) -> Optional[Slots]:
 
 
 def slot_rows(slots_x: torch.Tensor, b: int, where: tuple) -> torch.Tensor:
-    """A launch's output rows (Slots.at: (0, T, base)) of batch row b of a (B, R, H, D) slots
+    """A launch's output rows (Slots.at: (base, T)) of batch row b of a (B, R, H, D) slots
     tensor, (T, H, D) contiguous (b = slice(None): a task's, every batch row, (B, T, H, D))."""
-    a, e, off = where
-    return slots_x[b, off:off + e - a]
+    base, t = where
+    return slots_x[b, base:base + t]
 
 
 def slot_lse(slots_lse: torch.Tensor, where: tuple, batch: int, heads: int) -> torch.Tensor:
-    """A launch's (B, H, T) lse block (Slots.at: (0, T, base)) of a (B * H * R,) slots lse, contiguous."""
-    a, e, off = where
-    return slots_lse[batch * heads * off:batch * heads * (off + e - a)].view(batch, heads, e - a)
+    """A launch's (B, H, T) lse block (Slots.at: (base, T)) of a (B * H * R,) slots lse, contiguous."""
+    base, t = where
+    return slots_lse[batch * heads * base:batch * heads * (base + t)].view(batch, heads, t)
 
 
 _TASK_SLOTS: dict = {}
