@@ -33,6 +33,7 @@ printed (device / host ms per strategy) and judged against auto's pick.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -164,9 +165,15 @@ def placed_as_measured(row: dict, mask: str, s: int, n: int) -> bool:
         return True
     recorded = row.get("placement")
     if recorded is None:
-        with open(MEASURED_PLACEMENTS) as f:
-            recorded = json.load(f).get(f"{mask}:{s}:{n}")
+        recorded = _measured_placements().get(f"{mask}:{s}:{n}")
     return recorded == now
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_placements() -> dict:
+    """MEASURED_PLACEMENTS, read once (a replay asks for every row)."""
+    with open(MEASURED_PLACEMENTS) as f:
+        return json.load(f)
 
 
 def mask_call(mask: str, s: int):
