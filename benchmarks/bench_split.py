@@ -808,7 +808,12 @@ def profile_once(fwd: Callable, bwd: Callable, device, what: str, rows: int = 14
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    try:  # (verbose: each op's event carries its Python stack; on CUDA its parents may not be frames)
+        from torch._C._profiler import _ExperimentalConfig
+        stacks = dict(with_stack=True, experimental_config=_ExperimentalConfig(verbose=True))
+    except ImportError:
+        stacks = dict(with_stack=True)
+    with profile(activities=activities, **stacks) as prof:
         bwd(fwd())
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -821,9 +826,8 @@ def profile_once(fwd: Callable, bwd: Callable, device, what: str, rows: int = 14
     wall_ms = (time.perf_counter() - t0) * 1e3
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
-    # where the host's time goes (Python functions, cumulative), for host-bound passes
+    # where the host's time goes (Python functions), for host-bound passes
     import cProfile
-    import io
     import pstats
 
     host = cProfile.Profile()
@@ -832,11 +836,59 @@ def profile_once(fwd: Callable, bwd: Callable, device, what: str, rows: int = 14
     if device.type == "cuda":
         torch.cuda.synchronize()
     host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(rows + 10)
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
     return (f"   profile of {what}: wall {wall_ms:.3f} ms for forward + backward (unprofiled)\n{table}\n"
-            f"   host (cProfile, cumulative):\n{text.getvalue()}")
+            f"{by_dtcp_function(prof.events(), device, rows + 10)}\n{host_table(pstats.Stats(host), rows + 10)}")
+
+
+def host_table(stats, rows: int) -> str:
+    """cProfile's functions by their own time, in microseconds (pstats prints milliseconds at
+    best), the device synchronisation left out; and their own time summed by where the code lives
+    (the attention kernel's package, Triton's launcher, torch, dtcp, C builtins): under
+    cProfile every call costs more, so read the shares, not the sums."""
+    own, total = [], {}
+    for (path, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        if "synchronize" in func:
+            continue
+        where = ("flash_attn" if "flash_attn" in path or "cutlass" in path or "tvm_ffi" in path
+                 else "triton" if "/triton/" in path else "torch" if "/torch/" in path
+                 else "dtcp" if "/dtcp/" in path else "benchmark" if "benchmarks" in path
+                 else "builtins" if path == "~" else "other")
+        total[where] = total.get(where, 0.0) + tottime
+        own.append((tottime, calls, cumtime, f"{'/'.join(path.rsplit('/', 2)[-2:])}:{line}({func})"))
+    own.sort(reverse=True)
+    body = "\n".join(f"   {t * 1e6:9.1f} {c * 1e6:9.1f} {n:5d}  {name}" for t, n, c, name in own[:rows])
+    sums = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(total.items(), key=lambda kv: -kv[1]))
+    return (f"   host (cProfile): own time by where the code lives, ms: {sums}\n"
+            f"   own µs   cum µs  calls  function\n{body}")
+
+
+def by_dtcp_function(events, device, rows: int) -> str:
+    """The device time of the torch ops a pass issues, summed per (op, the innermost dtcp function
+    that issued it, named by its def line): which merge, add, copy or fill the time outside the
+    attention kernels goes to. (FA4's and dtcp's Triton kernels are launched outside torch's ops
+    and are in the table above.) Needs the profile taken with_stack=True: the Python frames are
+    the ops' parents."""
+    totals: dict = {}
+    for e in events:
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue  # (an op called by another op counts in its caller's total)
+        spent = e.device_time_total if device.type == "cuda" else e.cpu_time_total
+        if not spent:
+            continue
+        line = next((f[f.rindex("dtcp/") + 5:] for f in (e.stack or ()) if "dtcp/" in f and ".py(" in f),
+                    "(outside dtcp)")
+        while parent is not None and line == "(outside dtcp)":
+            if "dtcp/" in parent.name and ".py(" in parent.name:
+                line = parent.name[parent.name.rindex("dtcp/") + 5:]
+                break
+            parent = parent.cpu_parent
+        us, n = totals.get((e.name, line), (0.0, 0))
+        totals[(e.name, line)] = (us + spent, n + 1)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:rows]
+    body = "\n".join(f"   {us / 1e3:8.3f} ms {n:4d}x  {name:<28} {line}" for (name, line), (us, n) in ranked)
+    what = "device" if device.type == "cuda" else "CPU"
+    return f"   {what} time of torch ops by the dtcp function that issued them:\n{body}"
 
 
 # ---- one device, whole sequence ---------------------------------------------------------------------------

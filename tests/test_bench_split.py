@@ -214,3 +214,18 @@ def test_a_replayed_pass_makes_no_kernel_call_and_gives_the_recorded_results(one
     launches = sum(len(s.tasks) for s in job.plan.steps) if fused is None else sum(len(site) for site in fused)
     assert counts["fwd"] == launches > 0 and counts["bwd"] > 0
     assert KERNELS[kernel.name] is kernel
+
+
+def test_profile_names_the_dtcp_functions_that_spend_the_time(capsys):
+    """--profile's table of torch ops by the dtcp function that issued them: on CPU the kernel's
+    own op is charged to dtcp's kernel wrapper, the ring's copies to the ring."""
+    bench_split.main(["--device", "cpu", "--dtype", "float32", "--seq-scale", "1/512", "--heads", "4/2",
+                      "--head-dim", "16", "--world-sizes", "2", "--cases", "pareto-s0", "--strategies", "ring",
+                      "--layouts", "balanced", "--iters", "1", "--warmup", "1", "--point-seconds", "0",
+                      "--max-seconds", "0", "--profile"])
+    text = capsys.readouterr().out
+    table = text.split("by the dtcp function that issued them:\n", 1)[1].split("   host (cProfile", 1)[0]
+    rows = [line.split() for line in table.strip().splitlines()]
+    assert rows and all(r[1] == "ms" and float(r[0]) >= 0 and r[2].endswith("x") for r in rows), table
+    assert any(r[3].startswith("aten::_scaled_dot_product") and r[4].startswith("kernels/") for r in rows), table
+    assert any(r[4].startswith("exec/") for r in rows), table
