@@ -72,6 +72,12 @@ def fa4_interface():
     return _IMPORT
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`: t itself where it is already (a dtype check in Python instead of a
+    dispatched no-op .to(): seven a launch pair, host time on a host-bound ring)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _interface():
     module, why = fa4_interface()
     if module is None:
@@ -293,10 +299,10 @@ class Fa4Kernel(Kernel):
 
     def _backward_call(self, fa, dout, q, k, v, out, lse, call: Fa4Call, scale, softcap, dq=None):
         # FA4 wants q, k, v, out and dout of one dtype, lse float32 (B, H, Lq).
-        out, dout = out.to(q.dtype), dout.to(q.dtype)
+        out, dout = _as(out, q.dtype), _as(dout, q.dtype)
         dq, dk, dv = fa._flash_attn_bwd(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), dout.transpose(1, 2),
-            lse.to(torch.float32), softmax_scale=scale,
+            _as(lse, torch.float32), softmax_scale=scale,
             softcap=0.0 if softcap is None else float(softcap),  # 0.0 is "off" here (None would be taken as a cap)
             dq=None if dq is None else dq.transpose(1, 2), **call.window_args(),
         )[:3]
@@ -339,7 +345,7 @@ class Fa4Kernel(Kernel):
         # FA4 takes its output tensors (out=, lse=: strided views allowed, last dim contiguous and
         # 16-byte aligned strides, which rows views of (B, H, L, D) tensors with D % 8 == 0 have).
         res = _interface()._flash_attn_fwd(
-            q, k, v, cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            q, k, v, cu_seqlens_q=_as(seqs.cu_q_t, torch.int32), cu_seqlens_k=_as(seqs.cu_k_t, torch.int32),
             seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
             max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, softmax_scale=scale,
             softcap=None if softcap is None else float(softcap),
@@ -354,9 +360,9 @@ class Fa4Kernel(Kernel):
     def varlen_backward_into(self, dout, q, k, v, out, lse, seqs: VarlenSeqs, window, scale, softcap=None,
                              dq=None, dk=None, dv=None):
         dq, dk, dv = _interface()._flash_attn_bwd(
-            q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32), softmax_scale=scale,
+            q, k, v, _as(out, q.dtype), _as(dout, q.dtype), _as(lse, torch.float32), softmax_scale=scale,
             softcap=0.0 if softcap is None else float(softcap),
-            cu_seqlens_q=seqs.cu_q_t.to(torch.int32), cu_seqlens_k=seqs.cu_k_t.to(torch.int32),
+            cu_seqlens_q=_as(seqs.cu_q_t, torch.int32), cu_seqlens_k=_as(seqs.cu_k_t, torch.int32),
             seqused_q=seqs.used_q_t, seqused_k=seqs.used_k_t,
             max_seqlen_q=seqs.max_q, max_seqlen_k=seqs.max_k, dq=dq, dk=dk, dv=dv, **fa4_varlen_window(window),
         )[:3]
