@@ -876,13 +876,11 @@ def by_dtcp_function(events, device, rows: int) -> str:
         spent = e.device_time_total if device.type == "cuda" else e.cpu_time_total
         if not spent:
             continue
-        line = next((f[f.rindex("dtcp/") + 5:] for f in (e.stack or ()) if "dtcp/" in f and ".py(" in f),
-                    "(outside dtcp)")
-        while parent is not None and line == "(outside dtcp)":
-            if "dtcp/" in parent.name and ".py(" in parent.name:
-                line = parent.name[parent.name.rindex("dtcp/") + 5:]
-                break
+        frames = list(e.stack or ())
+        while parent is not None:
+            frames.append(parent.name)
             parent = parent.cpu_parent
+        line = next((f[f.rindex("dtcp/") + 5:] for f in frames if "dtcp/" in f and ".py(" in f), "(outside dtcp)")
         us, n = totals.get((e.name, line), (0.0, 0))
         totals[(e.name, line)] = (us + spent, n + 1)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:rows]

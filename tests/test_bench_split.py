@@ -229,3 +229,6 @@ def test_profile_names_the_dtcp_functions_that_spend_the_time(capsys):
     assert rows and all(r[1] == "ms" and float(r[0]) >= 0 and r[2].endswith("x") for r in rows), table
     assert any(r[3].startswith("aten::_scaled_dot_product") and r[4].startswith("kernels/") for r in rows), table
     assert any(r[4].startswith("exec/") for r in rows), table
+    # the host's cProfile summed by where the code lives: dtcp's own Python among it
+    sums = text.split("own time by where the code lives, ms: ", 1)[1].split("\n", 1)[0]
+    assert float(dict(part.rsplit(" ", 1) for part in sums.split(", "))["dtcp"]) > 0, sums
