@@ -1184,6 +1184,9 @@ def parse_args(argv=None):
                    help="stop timing a rank once its timed runs add up to this (at least one run)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="start no new point after this long (default: 450, --quick: 220; 0: no limit)")
+    p.add_argument("--require-fa4", action="store_true",
+                   help="stop at once where FlashAttention-4 does not serve (e.g. a fresh GPU machine without it): "
+                        "the reference and the ranks would otherwise run another kernel")
     p.add_argument("--quick", action="store_true", help="the issue's table rows only (ring and Ulysses, N = 2, 4, 8)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write the split ratio against N per case as a PNG here")
@@ -1227,6 +1230,8 @@ def main(argv=None) -> dict:
     timer = Timer(device, args.warmup, args.iters, args.point_seconds)
     fa4_status = KERNELS["fa4"].feature_reason(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype),
                                                None, None, False)
+    if args.require_fa4 and fa4_status is not None:
+        raise SystemExit(f"bench_split: --require-fa4, but fa4 does not serve here: {fa4_status}")
     results = dict(
         meta=dict(device=str(device),
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -232,3 +232,10 @@ def test_profile_names_the_dtcp_functions_that_spend_the_time(capsys):
     # the host's cProfile summed by where the code lives: dtcp's own Python among it
     sums = text.split("own time by where the code lives, ms: ", 1)[1].split("\n", 1)[0]
     assert float(dict(part.rsplit(" ", 1) for part in sums.split(", "))["dtcp"]) > 0, sums
+
+
+def test_require_fa4_stops_before_any_run():
+    """--require-fa4 where FA4 does not serve (this CPU): a SystemExit naming the reason, before a
+    single point runs (a GPU machine started bare would otherwise time cuDNN and flash)."""
+    with pytest.raises(SystemExit, match="--require-fa4, but fa4 does not serve here: "):
+        bench_split.main(["--device", "cpu", "--require-fa4", "--cases", "pareto-s0", "--world-sizes", "2"])
