@@ -144,6 +144,56 @@ def symm_mem_rendezvous(tensor: torch.Tensor, group_name: str):
     return symm_mem.rendezvous(tensor, group_name)
 
 
+# ---- recording a kernel wrapper's ops (dtcp/kernels/replay.py) ----------------------------------
+def dispatch_mode_base() -> type:
+    """torch.utils._python_dispatch.TorchDispatchMode, the base of a mode whose __torch_dispatch__
+    sees every aten op of its thread (func: an OpOverload with _schema.is_mutable): checked on
+    2.11+cu130 and 2.13.0+cpu."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def allocation_bindings() -> dict:
+    """aten allocation ops (the OpOverloads a dispatch mode sees) -> torch's Python bindings that
+    take the arguments the dispatcher records for them (size or tensor, then dtype, layout, device,
+    pin_memory, memory_format keywords): checked on 2.13.0+cpu, every entry
+    (tests/test_kernel_replay.py calls each with recorded arguments), and on 2.11+cu130 the three
+    FA4's wrapper makes (empty, empty_like, zeros)."""
+    aten = torch.ops.aten
+    return {aten.empty.memory_format: torch.empty, aten.empty_like.default: torch.empty_like,
+            aten.zeros.default: torch.zeros, aten.zeros_like.default: torch.zeros_like,
+            aten.empty_strided.default: torch.empty_strided, aten.full.default: torch.full}
+
+
+def tree_flatten(obj) -> tuple[list, object]:
+    """torch.utils._pytree.tree_flatten (tuples, lists, dicts and namedtuples are nodes): checked on
+    2.11+cu130 and 2.13.0+cpu."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(obj)
+
+
+def tree_unflatten(leaves: list, spec):
+    """torch.utils._pytree.tree_unflatten, tree_flatten's inverse: checked on 2.11+cu130 and 2.13.0+cpu."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # (then every call takes the plain path)
+    _get_current_dispatch_mode = None
+
+
+def dispatch_mode_active() -> bool:
+    """Is a TorchDispatchMode active on this thread (FakeTensorMode, a FLOP counter, a recorder)?
+    torch.utils._python_dispatch._get_current_dispatch_mode: checked on 2.13.0+cpu (not yet run on
+    2.11: added after that session's GPU runs). Where it is missing: True (the caller then takes its plain path)."""
+    return _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None
+
+
 # ---- local attention kernels (aten ops, not public API) ----------------------------------
 # aten._scaled_dot_product_flash_attention_for_cpu / _backward: checked on 2.13 and 2.15 (CPU):
 # returns (out, logsumexp (B, H, L)); causal is top-left aligned; GQA accepted.

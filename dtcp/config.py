@@ -25,6 +25,7 @@ nothing reads the environment or a module global on the hot path.
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
 | `ring_one_launch` | True | | a ring step's tasks (document pieces, chunk pairs, diagonal and off-diagonal blocks) as one varlen launch per window where the kernel has one (fa4, flash) |
 | `varlen_gaps` | True | | ... and a launch whose rows or keys lie apart (in order) reads them in place, leaving the rows between out (FA4's seqused), instead of gathering them |
+| `kernel_replay` | True | `DTCP_KERNEL_REPLAY` | FlashAttention-4's Python wrapper runs on a call signature's first two calls (shapes, strides, dtypes, alignment, plain values; the second recorded); later calls replay its allocations and compiled launches without it (dtcp/kernels/replay.py; one H200 host: about 100 µs less a forward call, 50 µs less a backward call) |
 | `ring_steps_per_launch` | 1 | `DTCP_RING_STEPS_PER_LAUNCH` | G > 1: the ring's received blocks in groups of G, each block straight from its home rank and each group one launch where the kernel has one-launch steps (dtcp/exec/grouped.py); "auto": G per call from the cost model (groups only where it predicts them 10% faster than G = 1) |
 """
 
@@ -70,6 +71,7 @@ _ENVIRONMENT = (
     ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
     ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
+    ("DTCP_KERNEL_REPLAY", "kernel_replay", _parse_bool),
 )
 
 
@@ -89,6 +91,7 @@ class Config:
     one_launch: bool = True
     ring_one_launch: bool = True
     varlen_gaps: bool = True
+    kernel_replay: bool = True
     ring_steps_per_launch: Union[int, str] = 1
     cost_machine: object = None
     cost_objective: str = "auto"

@@ -1,0 +1,354 @@
+"""dtcp/kernels/replay.py on CPU: a wrapper shaped like FlashAttention-4's (checks and allocations
+in Python around "compiled" launches taken out of compile caches), called through Replayed.
+
+The launches here are Python callables that write into their arguments, as compiled kernels do;
+what is checked is that a replay gives the wrapper's results bit for bit on new values, skips the
+wrapper's Python, and refuses what it cannot replay. FA4 itself: tests/gpu/test_one_gpu_ranks.py.
+"""
+
+import threading
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+
+from dtcp.config import config
+from dtcp.kernels.replay import Program, Replayed, signature
+
+
+class Aux(NamedTuple):  # (FA4 passes such a tuple to its launches)
+    tensors: Optional[list]
+    scalars: Optional[tuple]
+
+
+class _Forward:
+    """A "compiled" forward: out = softmax(scale * q k^T) v per sequence (cu: int32 bounds), lse;
+    acc is scratch the wrapper zeroes and the launch adds into."""
+
+    def __call__(self, q, k, v, out, lse, acc, scale, cu, window, aux):
+        assert aux.tensors is None
+        bounds = [0, q.shape[0]] if cu is None else cu.tolist()  # (a launch reads what it likes)
+        for a, b in zip(bounds, bounds[1:]):
+            s = (q[a:b] @ k[a:b].transpose(0, 1)) * scale
+            if window is not None:
+                i = torch.arange(b - a)
+                s = s.masked_fill((i[:, None] - i[None, :]) > window, float("-inf"))
+            lse[a:b] = torch.logsumexp(s, -1)
+            out[a:b] = torch.softmax(s, -1) @ v[a:b]
+        acc.add_(out.sum(0))
+
+
+class _Finish:
+    """A second "compiled" launch (as FA4's postprocess): out *= 1 + acc.mean() * 0."""
+
+    def __call__(self, out, acc, unit):
+        out.mul_(unit + acc.mean() * 0.0)
+
+
+def make_wrapper(read_value=False, cached_tensor=None, returns=False):
+    """A wrapper with FA4's shape: checks, allocations, a detached view, a zeroed scratch, two
+    launches out of two compile caches; `python` counts the runs of its Python."""
+    runs = {"python": 0}
+
+    def finish(out, acc):
+        key = (out.dtype,)
+        if key not in finish.compile_cache:
+            finish.compile_cache[key] = _Finish()
+        finish.compile_cache[key](out, acc, 1.0)
+
+    def wrapper(q, k, v, scale, cu=None, out=None, window=None):
+        runs["python"] += 1
+        assert q.shape == k.shape == v.shape and q.dtype == k.dtype
+        if q.data_ptr() % 16:  # (a wrapper copying a tensor it finds misaligned)
+            q = q.clone()
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[0], dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
+        acc = torch.zeros(q.shape[-1], dtype=q.dtype)
+        unused = torch.ones(7)  # noqa: F841  (made and never used: a replay drops it)
+        if read_value and cu is not None and int(cu[-1]) != q.shape[0]:
+            raise ValueError("cu")
+        if q.shape[0] == 0:
+            out.zero_()
+        key = (q.dtype, q.shape[-1], window is None, cu is None)
+        if key not in wrapper.compile_cache:
+            wrapper.compile_cache[key] = _Forward()
+        launch = wrapper.compile_cache[key]
+        got = launch(q.detach(), k, v, out, lse, cached_tensor if cached_tensor is not None else acc, scale, cu,
+                     window, Aux(None, None))
+        if returns:
+            launch.__class__ = _Returning
+        finish(out, acc)
+        return out, lse, None
+
+    wrapper.compile_cache = {}
+    finish.compile_cache = {}
+    owners = lambda: [wrapper, finish]  # noqa: E731
+    return wrapper, owners, runs
+
+
+class _Returning(_Forward):
+    def __call__(self, *args):
+        super().__call__(*args)
+        return 1
+
+
+def _inputs(seed, n=12, d=4, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def _same(a, b):
+    return all(x is None and y is None or torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_replay_gives_the_wrappers_bits_on_new_values_without_its_python():
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners, "toy")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    for seed in range(6):
+        q, k, v = _inputs(seed)
+        cu_now = torch.tensor([0, 3 + seed, 12], dtype=torch.int32)  # new values, same signature
+        got = fast(q, k, v, 0.5, cu=cu_now, window=2)
+        want = wrapper(q, k, v, 0.5, cu=cu_now, window=2)
+        assert _same(got, want)
+        assert got[0].abs().sum() > 0 and torch.isfinite(got[1]).all()
+    # call 1 through the wrapper (it compiles), call 2 recorded, calls 3-6 replayed; plus 6 direct calls
+    assert fast.stats == {"first": 1, "recorded": 1, "replayed": 4, "refused": 0, "other": 0}
+    assert runs["python"] == 2 + 6
+    program = next(iter(fast.programs.values()))
+    assert program.launches == 2
+    ops = [str(s.fn) for s in program.steps if not s.is_launch]
+    # kept: q's, lse's and acc's allocations and acc's zero fill; dropped: the unused ones, the detach
+    assert not any("ones" in op or "detach" in op for op in ops), ops
+    assert sum("empty" in op for op in ops) == 2 and sum("zero" in op for op in ops) == 1, ops
+    del cu
+
+
+def test_a_replay_writes_into_the_given_output_and_returns_it():
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    big = torch.zeros(3, 12, 4, dtype=torch.float64)
+    for seed in range(4):
+        q, k, v = _inputs(seed)
+        out = big[1]
+        got = fast(q, k, v, 0.25, out=out)
+        assert got[0] is out
+        want = wrapper(q, k, v, 0.25)
+        assert torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+    assert fast.stats["replayed"] == 2
+
+
+def test_a_new_signature_records_again():
+    """Shape, dtype, requires_grad, alignment, a plain value's type and the same tensor given
+    twice each make a new signature; each is replayed right."""
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    q, k, v = _inputs(0)
+    base = signature((q, k, v, 0.5), {})[0]
+    assert signature((q, k, v, 0.5), {})[0] == base
+    variants = [
+        ((q[:8], k[:8], v[:8], 0.5), {}),
+        ((q.float(), k.float(), v.float(), 0.5), {}),
+        ((q.clone().requires_grad_(), k, v, 0.5), {}),
+        ((torch.randn(49, dtype=torch.float64)[1:].view(12, 4), k, v, 0.5), {}),  # 8 bytes off
+        ((q, k, v, 1), {}),
+        ((q, k, k, 0.5), {}),
+        ((q, k, v, 0.5), {"window": 1}),
+    ]
+    keys = {signature(a, kw)[0] for a, kw in variants}
+    assert len(keys) == len(variants) and base not in keys
+    for args, kw in variants:
+        for _ in range(3):
+            with torch.no_grad():
+                got, want = fast(*args, **kw), wrapper(*args, **kw)
+            assert _same(got, want)
+    assert fast.stats["recorded"] == len(variants) and fast.stats["replayed"] == len(variants)
+    # the same tensor twice, recorded so, and replayed with it twice again
+    q2, k2, _ = _inputs(9)
+    assert _same(fast(q2, k2, k2, 0.5), wrapper(q2, k2, k2, 0.5))
+
+
+def test_an_empty_input_replays_the_wrappers_fill_of_the_given_output():
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    e = torch.empty(0, 4, dtype=torch.float64)
+    for _ in range(3):
+        out = torch.full((0, 4), 3.0, dtype=torch.float64)
+        got = fast(e, e, e, 0.5, out=out)
+        assert got[0] is out
+    assert fast.stats["replayed"] == 1
+
+
+@pytest.mark.parametrize("case", ["read_value", "cached_tensor", "returns"])
+def test_what_a_replay_cannot_rebuild_is_refused_and_called_through_the_wrapper(case):
+    kwargs = {"read_value": dict(read_value=True), "cached_tensor": dict(cached_tensor=torch.zeros(4, dtype=torch.float64)),
+              "returns": dict(returns=True)}[case]
+    wrapper, owners, runs = make_wrapper(**kwargs)
+    fast = Replayed(wrapper, owners)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    for seed in range(4):
+        q, k, v = _inputs(seed)
+        got = fast(q, k, v, 0.5, cu=cu)
+        want = wrapper(q, k, v, 0.5, cu=cu)
+        assert _same(got, want)
+    assert fast.stats["replayed"] == 0 and fast.stats["refused"] == 2, fast.stats
+    assert len(fast.refusals) == 1
+    assert {"read_value": "returned a", "cached_tensor": "neither an argument", "returns": "launch returned"}[case] \
+        in fast.refusals[0]
+
+
+def test_arguments_without_a_signature_and_the_setting_off_call_the_wrapper():
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    q, k, v = _inputs(0)
+    assert signature((q, k, v, [1, 2]), {}) == (None, None)
+    with config.override(kernel_replay=False):
+        for _ in range(3):
+            assert _same(fast(q, k, v, 0.5), wrapper(q, k, v, 0.5))
+    assert fast.stats == {"first": 0, "recorded": 0, "replayed": 0, "refused": 0, "other": 3}
+    off = Replayed(wrapper, owners, enabled=False)
+    for _ in range(3):
+        off(q, k, v, 0.5)
+    assert off.stats["other"] == 3 and not off.programs
+
+
+def test_another_threads_launches_during_a_recording_are_not_recorded():
+    """The caches are swapped process-wide while one thread records: a launch another thread
+    takes out of them then runs unrecorded (and a replay does not repeat it)."""
+    wrapper, owners, runs = make_wrapper()
+    hits = []
+
+    def other_thread():
+        launch = wrapper.compile_cache[next(iter(wrapper.compile_cache))]
+        hits.append(type(launch).__name__)
+
+    def with_a_thread(*args, **kwargs):
+        got = wrapper(*args, **kwargs)
+        if wrapper.compile_cache:
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+        return got
+
+    fast = Replayed(with_a_thread, owners)
+    for seed in range(3):
+        q, k, v = _inputs(seed)
+        assert _same(fast(q, k, v, 0.5), wrapper(q, k, v, 0.5))
+    assert hits == ["_Forward", "_Forward"]  # the bare launch, in the compiling and the recording call
+    assert next(iter(fast.programs.values())).launches == 2
+
+
+def test_a_wrapper_that_raises_while_recording_leaves_the_caches_as_they_were():
+    wrapper, owners, runs = make_wrapper()
+    finish = owners()[1]
+    fast = Replayed(wrapper, owners)
+    q, k, v = _inputs(0)
+    fast(q, k, v, 0.5)  # compiles
+    for _ in range(2):  # (the second call of a signature is the one recorded)
+        with pytest.raises(AssertionError):
+            fast(q, k[:5], v, 0.5)
+    assert type(wrapper.compile_cache) is dict and type(finish.compile_cache) is dict
+    assert not any(type(p) is Program for p in fast.programs.values())
+    for _ in range(3):
+        assert _same(fast(q, k, v, 0.5), wrapper(q, k, v, 0.5))
+    assert fast.stats["replayed"] == 2
+
+
+def test_allocations_replay_through_torchs_bindings_as_the_ops_would():
+    """The allocation ops a wrapper's recording holds run through torch's bindings (torch.empty and
+    the like, faster than the OpOverload from Python): with the arguments the dispatcher records,
+    each binding gives what the op gives (shape, strides, dtype, device; the fills' values)."""
+    from dtcp.kernels.replay import _Recorder, _binding
+
+    like = torch.randn(3, 5, dtype=torch.float64).transpose(0, 1)
+    makers = [lambda: torch.empty(4, 6, dtype=torch.float32), lambda: torch.empty(2, 3, 4),
+              lambda: torch.zeros(7, 2, dtype=torch.int32), lambda: torch.empty_like(like),
+              lambda: torch.empty_like(like, dtype=torch.float32, memory_format=torch.contiguous_format),
+              lambda: torch.zeros_like(like), lambda: torch.empty_strided((3, 4), (1, 3)),
+              lambda: torch.full((2, 3), 1.5, dtype=torch.float64),
+              lambda: torch.empty(5, dtype=torch.bfloat16, memory_format=torch.contiguous_format)]
+    fast = 0
+    for make in makers:
+        log = []
+        with _Recorder(log):
+            want = make()
+        kind, func, args, kwargs, out = log[0]  # (the factories' Python binding detaches the op's output after)
+        assert out.data_ptr() == want.data_ptr()
+        binding = _binding(func)
+        fast += binding is not func
+        got = binding(*args, **kwargs)
+        assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+        if "zeros" in str(func) or "full" in str(func):
+            assert torch.equal(got, want)
+    assert fast == len(makers)
+
+
+def test_under_a_dispatch_mode_the_wrapper_runs_as_it_would():
+    """Under a TorchDispatchMode (FakeTensorMode, a FLOP counter) every call goes through the
+    wrapper, which the mode then sees whole; outside it, the same signature replays."""
+    from dtcp.kernels.replay import _Recorder
+
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    q, k, v = _inputs(0)
+    for _ in range(3):
+        fast(q, k, v, 0.5)
+    seen: list = []
+    with _Recorder(seen):
+        got = fast(q, k, v, 0.5)
+    assert fast.stats["other"] == 1 and fast.stats["replayed"] == 1
+    assert any("ones" in str(entry[1]) for entry in seen)  # (the wrapper's own Python ran)
+    assert _same(got, wrapper(q, k, v, 0.5))
+
+
+def test_two_wrappers_recording_from_two_threads_take_turns():
+    """Two wrappers over one library's caches (FA4's forward and backward), recorded from two
+    threads at once: the second waits for the first (each recording swaps the caches; two at once
+    would each restore the other's swap), both programs hold their launches, the caches end as
+    they were."""
+    import time
+
+    wrapper, owners, runs = make_wrapper()
+    finish = owners()[1]
+    other = Replayed(lambda *a, **k: wrapper(*a, **k), owners, "other")
+    q, k, v = _inputs(0)
+    started = []
+
+    def record_the_other():
+        other(q, k, v, 0.5)
+        other(q, k, v, 0.5)  # (its recording: waits until the first thread's is done)
+
+    def hooked(*args, **kwargs):
+        if started == ["go"]:
+            t = threading.Thread(target=record_the_other)
+            t.start()
+            started.append(t)
+            time.sleep(0.2)  # (the other thread reaches its recording meanwhile)
+        return wrapper(*args, **kwargs)
+
+    fast = Replayed(hooked, owners, "first")
+    fast(q, k, v, 0.5)
+    started.append("go")
+    fast(q, k, v, 0.5)  # recorded, with the other thread started inside
+    started[1].join()
+    assert type(wrapper.compile_cache) is dict and type(finish.compile_cache) is dict
+    for w in (fast, other):
+        (program,) = [p for p in w.programs.values() if type(p) is Program]
+        assert program.launches == 2, w.name
+        q2, k2, v2 = _inputs(3)
+        assert _same(w(q2, k2, v2, 0.5), wrapper(q2, k2, v2, 0.5))
+
+
+def test_the_oldest_signatures_go_beyond_the_limit(monkeypatch):
+    import dtcp.kernels.replay as replay_mod
+
+    monkeypatch.setattr(replay_mod, "MAX_SIGNATURES", 2)
+    wrapper, owners, runs = make_wrapper()
+    fast = Replayed(wrapper, owners)
+    for n in (4, 5, 6, 4):
+        for _ in range(3):
+            q, k, v = _inputs(n, n=n)
+            assert _same(fast(q, k, v, 0.5), wrapper(q, k, v, 0.5))
+    assert len(fast.programs) == 2
+    assert fast.stats["recorded"] == 4  # (n = 4 was recorded again after it went)
