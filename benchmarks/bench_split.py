@@ -1353,6 +1353,10 @@ def main(argv=None) -> dict:
         for s in results["skipped"]:
             print(f"  {s['case']} heads {s['heads']} N={s['world_size']} {s['what']}")
     print(f"elapsed {results['meta']['elapsed_s']:.0f} s")
+    replays = _kernel_replays()
+    if replays:
+        results["meta"]["kernel_replay"] = replays
+        print(f"kernel replay (dtcp.config.kernel_replay={dtcp_config.kernel_replay}): {replays}")
     results["meta"]["complete"] = True
     if args.out:
         _write(results, args.out)
@@ -1360,6 +1364,13 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(results, args.plot)
     return results
+
+
+def _kernel_replays() -> dict:
+    """FA4's calls by how they went (dtcp/kernels/replay.py stats), where FA4 was called: a
+    signature recorded anew every pass would show as many "first" and "recorded" as "replayed"."""
+    from dtcp.kernels import fa4
+    return {name: dict(wrapper.stats) for name, (_, wrapper) in fa4._REPLAYED.items()}
 
 
 def _kernel_pick(rec: dict, measured: dict) -> Optional[str]:
