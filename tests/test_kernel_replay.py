@@ -45,7 +45,14 @@ class _Finish:
         out.mul_(unit + acc.mean() * 0.0)
 
 
-def make_wrapper(read_value=False, cached_tensor=None, returns=False):
+class _ByAddress(_Forward):
+    """A launch that also takes an address as an int (as a kernel given raw pointers would)."""
+
+    def __call__(self, q, k, v, out, lse, acc, scale, cu, window, aux, address=0):
+        super().__call__(q, k, v, out, lse, acc, scale, cu, window, aux)
+
+
+def make_wrapper(read_value=False, cached_tensor=None, returns=False, by_address=False):
     """A wrapper with FA4's shape: checks, allocations, a detached view, a zeroed scratch, two
     launches out of two compile caches; `python` counts the runs of its Python."""
     runs = {"python": 0}
@@ -72,10 +79,11 @@ def make_wrapper(read_value=False, cached_tensor=None, returns=False):
             out.zero_()
         key = (q.dtype, q.shape[-1], window is None, cu is None)
         if key not in wrapper.compile_cache:
-            wrapper.compile_cache[key] = _Forward()
+            wrapper.compile_cache[key] = _ByAddress() if by_address else _Forward()
         launch = wrapper.compile_cache[key]
+        extra = dict(address=out.data_ptr()) if by_address else {}
         got = launch(q.detach(), k, v, out, lse, cached_tensor if cached_tensor is not None else acc, scale, cu,
-                     window, Aux(None, None))
+                     window, Aux(None, None), **extra)
         if returns:
             launch.__class__ = _Returning
         finish(out, acc)
@@ -180,10 +188,10 @@ def test_an_empty_input_replays_the_wrappers_fill_of_the_given_output():
     assert fast.stats["replayed"] == 1
 
 
-@pytest.mark.parametrize("case", ["read_value", "cached_tensor", "returns"])
+@pytest.mark.parametrize("case", ["read_value", "cached_tensor", "returns", "by_address"])
 def test_what_a_replay_cannot_rebuild_is_refused_and_called_through_the_wrapper(case):
     kwargs = {"read_value": dict(read_value=True), "cached_tensor": dict(cached_tensor=torch.zeros(4, dtype=torch.float64)),
-              "returns": dict(returns=True)}[case]
+              "returns": dict(returns=True), "by_address": dict(by_address=True)}[case]
     wrapper, owners, runs = make_wrapper(**kwargs)
     fast = Replayed(wrapper, owners)
     cu = torch.tensor([0, 6, 12], dtype=torch.int32)
@@ -194,8 +202,8 @@ def test_what_a_replay_cannot_rebuild_is_refused_and_called_through_the_wrapper(
         assert _same(got, want)
     assert fast.stats["replayed"] == 0 and fast.stats["refused"] == 2, fast.stats
     assert len(fast.refusals) == 1
-    assert {"read_value": "returned a", "cached_tensor": "neither an argument", "returns": "launch returned"}[case] \
-        in fast.refusals[0]
+    assert {"read_value": "returned a", "cached_tensor": "neither an argument", "returns": "launch returned",
+            "by_address": "address as an int"}[case] in fast.refusals[0]
 
 
 def test_arguments_without_a_signature_and_the_setting_off_call_the_wrapper():

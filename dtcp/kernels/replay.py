@@ -20,8 +20,8 @@ once, and later calls replay what it did, on their own tensors:
 Ops whose results nothing uses are dropped, and views that only alias an argument (detach) too.
 A signature is never replayed (always called through the wrapper) where its recording saw the
 wrapper read a tensor's value on the host (an op returning a non-tensor, such as .item()), hand a
-launch or op a tensor of unknown origin (one cached across calls), or give a launch an argument the
-recorder cannot rebuild. A signature's first call runs the wrapper unrecorded (it may compile
+launch or op a tensor of unknown origin (one cached across calls), give a launch an argument the
+recorder cannot rebuild, or a tensor's address as a plain int. A signature's first call runs the wrapper unrecorded (it may compile
 kernels), its second is recorded, and the later ones are replayed; a recording during which the
 wrapper compiled after all is not kept, so compile-time work is never replayed.
 
@@ -163,10 +163,11 @@ class Replayed:
     functions in `cache_owners()`), called through recordings (module docstring). Calling it
     takes fn's arguments and returns what fn returns.
 
-    `stats` counts what happened: "first" (a signature's first call, through the wrapper), "recorded"
-    (its second), "replayed", "refused" (calls through the wrapper for a signature it refused), "other" (calls whose arguments have no signature, or with the setting
-    off, or `enabled` False: a wrapper not checked for replay). `refusals` keeps the last reasons,
-    for tests and debugging."""
+    `stats` counts what happened: "first" (a signature's first call, through the wrapper),
+    "recorded" (its second), "replayed", "refused" (calls through the wrapper for a signature it
+    refused), "other" (calls whose arguments have no signature, under a dispatch mode, with the
+    setting off, or `enabled` False: a wrapper not checked for replay). `refusals` keeps the last
+    reasons, for tests and debugging."""
 
     def __init__(self, fn: Callable, cache_owners: Callable[[], list], name: str = "", enabled: bool = True):
         self.fn, self.cache_owners, self.name = fn, cache_owners, name or getattr(fn, "__name__", "fn")
@@ -307,6 +308,15 @@ def _swap_caches(owners: list, log: list, mode: _Recorder) -> list:
     return swapped
 
 
+def _tensors_made(log: list) -> list:
+    """The tensors the recorded ops returned."""
+    made = []
+    for kind, _, _, _, out in log:
+        if kind == "op":
+            made += [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if type(o) is torch.Tensor]
+    return made
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype and a.device == b.device)
@@ -356,6 +366,10 @@ def _build(log: list, tensors: list, result) -> Program:
         refs = [a for a in (*step_args, *step_kwargs.values()) if type(a) is _Ref]
         reads = {a.i for a in refs}
         if kind == "launch":
+            # (an address passed as a plain int would replay the recorded call's memory)
+            addresses = {t.data_ptr() for t in keep} | {o.data_ptr() for o in _tensors_made(log)}
+            if any(type(a) is int and a > 4096 and a in addresses for a in (*args, *kwargs.values())):
+                raise _Refused(f"{what} takes a tensor's address as an int, which a replay would pass again")
             steps.append((_Step(fn, step_args, step_kwargs, (), False, True), reads, reads, True))
             continue
         outs = out if isinstance(out, (tuple, list)) else (out,)
