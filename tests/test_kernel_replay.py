@@ -360,3 +360,80 @@ def test_the_oldest_signatures_go_beyond_the_limit(monkeypatch):
             assert _same(fast(q, k, v, 0.5), wrapper(q, k, v, 0.5))
     assert len(fast.programs) == 2
     assert fast.stats["recorded"] == 4  # (n = 4 was recorded again after it went)
+
+
+# ---- the ring's own FA4 calls, replayed: dtcp's fa4 kernel over a CPU stand-in of FA4's interface ----
+def _compiled_fa4():
+    """tests/test_kernels_optional.py's FakeFa4 (FA4's interface in float64 on CPU) shaped like
+    FA4's: each wrapper checks and allocates in Python and takes its "compiled launch" (FakeFa4's
+    computation, writing into the outputs) out of a compile cache."""
+    from test_kernels_optional import FakeFa4
+
+    fake = FakeFa4()
+
+    def _launch(compute, self):
+        def launch(*args, **kwargs):  # (writes into its arguments and returns nothing, as a launch)
+            compute(self, *args, **kwargs)
+        return launch
+
+    def _flash_attn_fwd(q, k, v, out=None, lse=None, **kw):
+        varlen = kw.get("cu_seqlens_q") is not None
+        if out is None:
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        if lse is None:
+            lse = torch.empty((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]),
+                              dtype=torch.float32)
+        key = (q.dtype, varlen)
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = _launch(FakeFa4._flash_attn_fwd, fake)
+        _flash_attn_fwd.compile_cache[key](q, k, v, out=out, lse=lse, **kw)
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, dq=None, dk=None, dv=None, **kw):
+        dq = torch.empty_like(q) if dq is None else dq
+        dk, dv = torch.empty_like(k) if dk is None else dk, torch.empty_like(v) if dv is None else dv
+        key = (q.dtype, kw.get("cu_seqlens_q") is None)
+        if key not in _flash_attn_bwd.compile_cache:
+            _flash_attn_bwd.compile_cache[key] = _launch(FakeFa4._flash_attn_bwd, fake)
+        _flash_attn_bwd.compile_cache[key](q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv, **kw)
+        return dq, dk, dv
+
+    _flash_attn_fwd.compile_cache, _flash_attn_bwd.compile_cache = {}, {}
+    fake._flash_attn_fwd, fake._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return fake
+
+
+@pytest.mark.parametrize("layout_name", ["balanced", "zigzag"])
+def test_the_rings_fa4_calls_replay_to_the_same_bits_batch_after_batch(layout_name, monkeypatch):
+    """4 simulated ranks (tests/sim_ranks.py) run dtcp's fa4 kernel over the stand-in, as a model
+    would: three batches, each with a new document structure (new signatures for most launches)
+    and three layers of new values (buffers rewritten); each layer with the wrapper called every
+    time and replayed: the same bits (CPU), and every signature replayed from its third call."""
+    import dtcp
+    from dtcp.kernels import KERNELS
+    from dtcp.kernels import fa4 as fa4_mod
+    from sim_ranks import simulated_ring
+
+    fake = _compiled_fa4()
+    monkeypatch.setattr(fa4_mod, "_IMPORT", (fake, None))
+    monkeypatch.setattr(fa4_mod, "_REPLAYED", {})
+    monkeypatch.setattr(fa4_mod, "_release", lambda: fa4_mod.REPLAY_CHECKED[0])
+    kernel, n, s = KERNELS["fa4"], 4, 256
+    g = torch.Generator().manual_seed(11)
+    for batch in range(3):
+        cuts = sorted(torch.randperm(s // 8 - 1, generator=g)[:5].add(1).mul(8).tolist())
+        docs = tuple(b - a for a, b in zip([0] + cuts, cuts + [s]))
+        layout = dtcp.Balanced(docs, min_chunk=8) if layout_name == "balanced" else dtcp.Zigzag()
+        for layer in range(3):
+            # (float32: the ring's accumulators are then float32, as FA4's lse; with float64 inputs the
+            # ring hands its float64 lse to the kernel)
+            q, k, v, dout = (torch.randn(1, h, s, 16, generator=g, dtype=torch.float32) for h in (4, 2, 2, 4))
+            with dtcp.config.override(kernel_replay=False):
+                want = simulated_ring(layout, n, q, k, v, dout, kernel, window=(-1, 0), docs=docs, scale=0.25)
+            got = simulated_ring(layout, n, q, k, v, dout, kernel, window=(-1, 0), docs=docs, scale=0.25)
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                assert torch.equal(a, b), (layout_name, batch, layer, name)
+    for which in ("fwd", "bwd"):
+        stats = fa4_mod.replayed(which).stats
+        assert stats["refused"] == 0 and stats["replayed"] >= stats["recorded"] > 0, (which, stats)
+        assert stats["first"] == stats["recorded"], (which, stats)  # (each signature called >= 2 times)
