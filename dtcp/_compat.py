@@ -154,6 +154,18 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+def op_writes(func) -> bool:
+    """Does aten op `func` (an OpOverload) write into an argument (in place, or out=)?
+    OpOverload._schema.is_mutable: checked on 2.11+cu130 and 2.13.0+cpu."""
+    return func._schema.is_mutable
+
+
+def op_returns_views(func) -> bool:
+    """Can an output of aten op `func` alias an argument (a view: detach, slice, transpose)?
+    OpOverload._schema.returns[i].alias_info: checked on 2.13.0+cpu."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
 def allocation_bindings() -> dict:
     """aten allocation ops (the OpOverloads a dispatch mode sees) -> torch's Python bindings that
     take the arguments the dispatcher records for them (size or tensor, then dtype, layout, device,

@@ -437,3 +437,22 @@ def test_the_rings_fa4_calls_replay_to_the_same_bits_batch_after_batch(layout_na
         stats = fa4_mod.replayed(which).stats
         assert stats["refused"] == 0 and stats["replayed"] >= stats["recorded"] > 0, (which, stats)
         assert stats["first"] == stats["recorded"], (which, stats)  # (each signature called >= 2 times)
+
+
+def test_an_in_place_op_through_a_view_of_an_argument_is_replayed():
+    """A write into the caller's tensor through a view of it (a slot of its own in the replay)
+    is kept, though nothing reads that view afterwards."""
+    def wrapper(x, value):
+        x.view(-1)[:2].fill_(value)
+        torch.zeros(3).view(-1)[:1].fill_(value)  # (a write into a tensor nothing uses: dropped)
+        return x
+
+    wrapper.compile_cache = {}
+    fast = Replayed(wrapper, lambda: [wrapper])
+    for _ in range(4):
+        x = torch.zeros(3, 4)
+        assert fast(x, 2.0) is x
+        assert x.view(-1)[:2].eq(2.0).all() and x.view(-1)[2:].eq(0.0).all()
+    assert fast.stats["replayed"] == 2
+    program = next(p for p in fast.programs.values() if type(p) is Program)
+    assert sum("fill_" in str(s.fn) for s in program.steps) == 1

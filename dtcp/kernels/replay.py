@@ -17,7 +17,8 @@ once, and later calls replay what it did, on their own tensors:
     `cache_owners` with a `compile_cache` attribute; the caches are swapped for recording views
     during the recorded call), with its arguments, in order.
 
-Ops whose results nothing uses are dropped, and views that only alias an argument (detach) too.
+Ops that make or write new tensors nothing uses are dropped (a write into the call's tensors, or
+through a view of them, is kept), and views that only alias an argument (detach) too.
 A signature is never replayed (always called through the wrapper) where its recording saw the
 wrapper read a tensor's value on the host (an op returning a non-tensor, such as .item()), hand a
 launch or op a tensor of unknown origin (one cached across calls), give a launch an argument the
@@ -45,7 +46,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .._compat import allocation_bindings, dispatch_mode_active, dispatch_mode_base, tree_flatten, tree_unflatten
+from .._compat import (allocation_bindings, dispatch_mode_active, dispatch_mode_base, op_returns_views, op_writes,
+                       tree_flatten, tree_unflatten)
 from ..config import config
 
 #: plain values a call or op may take as they were recorded (a value of another type: refused)
@@ -330,6 +332,7 @@ def _build(log: list, tensors: list, result) -> Program:
         where.setdefault(id(t), i)
     slots = len(tensors)
     steps: list = []  # (_Step, slots it reads, slots it writes, mutates)
+    fresh: set = set()  # slots of new tensors (allocations): the only memory a dropped write may hit
 
     def leaf(x, what: str):
         if isinstance(x, torch.Tensor):
@@ -375,7 +378,7 @@ def _build(log: list, tensors: list, result) -> Program:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(o is None or type(o) is torch.Tensor for o in outs):
             raise _Refused(f"{fn} returned a {type(out).__name__} (the wrapper read a value on the host)")
-        mutates = fn._schema.is_mutable
+        mutates = op_writes(fn)
         if not mutates and isinstance(out, torch.Tensor):
             alias = next((a.i for a in refs if _same_view(out, keep[a.i])), None)
             if alias is not None:  # (detach, alias, a view to the same shape: the tensor itself)
@@ -396,21 +399,27 @@ def _build(log: list, tensors: list, result) -> Program:
         if all(i is None for i in out_slots):  # (nothing new to keep: an in-place op, or no outputs)
             out_slots = []
         single = isinstance(out, torch.Tensor) and bool(out_slots)
-        if not mutates and single:
-            fn = _binding(fn)
+        if not mutates:
+            # new memory: an op whose outputs alias none of its arguments (an allocation, an
+            # out-of-place op), or a view of new memory only
+            if not op_returns_views(fn) or reads <= fresh:
+                fresh.update(i for i in out_slots if i is not None)
+            if single:
+                fn = _binding(fn)
         steps.append((_Step(fn, step_args, step_kwargs, tuple(out_slots), single, False), reads, writes, mutates))
 
     result_leaves, result_tree = spec(result, "the result")
-    return Program(_live(steps, len(tensors), result_leaves), slots, result_leaves, result_tree)
+    return Program(_live(steps, fresh, result_leaves), slots, result_leaves, result_tree)
 
 
-def _live(steps: list, arguments: int, result_leaves: list) -> list:
-    """The steps that matter: every launch, every op writing into the call's tensors, and the ops
-    whose outputs those (or the result) read, transitively. The rest made tensors nothing uses."""
+def _live(steps: list, fresh: set, result_leaves: list) -> list:
+    """The steps that matter: every launch, every op writing into memory that is not a new
+    tensor's (the call's tensors, or a view of them), and the ops whose outputs those (or the
+    result) read, transitively. The rest made or wrote new tensors that nothing uses."""
     needed = {leaf.i for leaf in result_leaves if type(leaf) is _Ref}
     kept = []
     for step, reads, writes, mutates in reversed(steps):
-        if step.is_launch or (mutates and any(i < arguments for i in writes)) or (writes & needed):
+        if step.is_launch or (mutates and not writes <= fresh) or (writes & needed):
             kept.append(step)
             needed |= reads
     return kept[::-1]
