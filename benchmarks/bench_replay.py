@@ -80,6 +80,7 @@ def host_us(fn, calls: int, cycles_per_ms: float, burst: int = 20) -> float:
 def breakdown(cases, calls: int, cycles_per_ms: float) -> None:
     """Each case's replay in parts (median µs over `calls`): signature(), then every step of its
     program (aten ops and compiled launches), then the result."""
+    from dtcp._compat import tree_unflatten
     from dtcp.kernels.replay import Program, Replayed, signature
 
     original = Replayed.__call__
@@ -115,7 +116,7 @@ def breakdown(cases, calls: int, cycles_per_ms: float) -> None:
                     parts.setdefault(i, []).append((time.perf_counter() - t0) * 1e6)
                 t0 = time.perf_counter()
                 leaves = [values[x.i] if hasattr(x, "i") else x for x in program.result_leaves]
-                torch.utils._pytree.tree_unflatten(leaves, program.result_tree)
+                tree_unflatten(leaves, program.result_tree)
                 parts["result"].append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize()
             med = {k: statistics.median(v) for k, v in parts.items()}

@@ -178,18 +178,17 @@ def allocation_bindings() -> dict:
             aten.empty_strided.default: torch.empty_strided, aten.full.default: torch.full}
 
 
+from torch.utils import _pytree  # noqa: E402  (imported once: tree_unflatten runs on every replayed call)
+
+
 def tree_flatten(obj) -> tuple[list, object]:
     """torch.utils._pytree.tree_flatten (tuples, lists, dicts and namedtuples are nodes): checked on
     2.11+cu130 and 2.13.0+cpu."""
-    from torch.utils import _pytree
-
     return _pytree.tree_flatten(obj)
 
 
 def tree_unflatten(leaves: list, spec):
     """torch.utils._pytree.tree_unflatten, tree_flatten's inverse: checked on 2.11+cu130 and 2.13.0+cpu."""
-    from torch.utils import _pytree
-
     return _pytree.tree_unflatten(leaves, spec)
 
 
@@ -202,7 +201,8 @@ except ImportError:  # (then every call takes the plain path)
 def dispatch_mode_active() -> bool:
     """Is a TorchDispatchMode active on this thread (FakeTensorMode, a FLOP counter, a recorder)?
     torch.utils._python_dispatch._get_current_dispatch_mode: checked on 2.13.0+cpu (not yet run on
-    2.11: added after that session's GPU runs). Where it is missing: True (the caller then takes its plain path)."""
+    2.11: added after that session's GPU runs). Where it is missing: True (the caller then takes
+    its plain path)."""
     return _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None
 
 

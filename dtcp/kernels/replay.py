@@ -209,10 +209,6 @@ class Replayed:
                 del self.programs[next(iter(self.programs))]
             self.programs[key] = value
 
-    def clear(self) -> None:
-        """Forget every recording (a test, or after the wrapper's library changed state)."""
-        self.programs.clear()
-
     def _record(self, key, tensors, args, kwargs):
         # One recording at a time: the caches are swapped process-wide (other threads' launches
         # pass through them unrecorded; their ops never reach this thread's dispatch mode).
@@ -333,6 +329,9 @@ def _build(log: list, tensors: list, result) -> Program:
     slots = len(tensors)
     steps: list = []  # (_Step, slots it reads, slots it writes, mutates)
     fresh: set = set()  # slots of new tensors (allocations): the only memory a dropped write may hit
+    # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
+    # a plain int would replay the recorded call's memory
+    addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
 
     def leaf(x, what: str):
         if isinstance(x, torch.Tensor):
@@ -369,8 +368,6 @@ def _build(log: list, tensors: list, result) -> Program:
         refs = [a for a in (*step_args, *step_kwargs.values()) if type(a) is _Ref]
         reads = {a.i for a in refs}
         if kind == "launch":
-            # (an address passed as a plain int would replay the recorded call's memory)
-            addresses = {t.data_ptr() for t in keep} | {o.data_ptr() for o in _tensors_made(log)}
             if any(type(a) is int and a > 4096 and a in addresses for a in (*args, *kwargs.values())):
                 raise _Refused(f"{what} takes a tensor's address as an int, which a replay would pass again")
             steps.append((_Step(fn, step_args, step_kwargs, (), False, True), reads, reads, True))
