@@ -5,7 +5,11 @@ The calls are the ones a ring step makes (dtcp/kernels/fa4.py): a varlen forward
 results and a varlen backward, on rows views of (B, H, L, D) tensors, over documents; and the
 dense causal pair. Each call is timed on the host alone, hot: bursts of calls back to back (no
 synchronisation) while the GPU works through a sleep queued ahead, so the launch queue never
-blocks the host; the median over bursts of their mean (`--calls` calls in all). The forward's results are compared bit for bit.
+blocks the host; the median over bursts of their mean (`--calls` calls in all). The forward's
+results are compared bit for bit. "recording" is a signature's second call, which the replay
+records (median of single calls): a new document structure is new signatures, so a model pays it
+once a batch. The last line is `dtcp.calibrate`'s `launch_host_s` for FA4 (the cost model's host
+seconds of a varlen launch pair), through the wrapper and replayed.
 
     python benchmarks/bench_replay.py            # one CUDA GPU with flash-attn-4
 """
@@ -77,6 +81,25 @@ def host_us(fn, calls: int, cycles_per_ms: float, burst: int = 20) -> float:
     return statistics.median(per_call)
 
 
+def record_us(fn, reps: int, cycles_per_ms: float) -> float:
+    """Host µs of a signature's recorded call (its second; a new document structure makes new
+    signatures, so a model records once a batch), median over `reps`: every FA4 signature is
+    dropped first, so that the next two calls are a first call (through the wrapper) and the
+    recording."""
+    times = []
+    for _ in range(reps):
+        for which in ("fwd", "bwd"):
+            replayed(which).programs.clear()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(10 * cycles_per_ms))
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def breakdown(cases, calls: int, cycles_per_ms: float) -> None:
     """Each case's replay in parts (median µs over `calls`): signature(), then every step of its
     program (aten ops and compiled launches), then the result."""
@@ -124,7 +147,7 @@ def breakdown(cases, calls: int, cycles_per_ms: float) -> None:
             print(f"      signature {med['signature']:.1f}, result {med['result']:.1f}")
             for i, step in enumerate(program.steps):
                 what = f"launch {type(step.fn).__name__}" if step.is_launch else str(step.fn)
-                print(f"      {med[i]:7.1f}  {what}  ({len(step.leaves)} args)")
+                print(f"      {med[i]:7.1f}  {what}  ({len(step.args) + len(step.kwargs)} args)")
 
 
 def main() -> None:
@@ -140,7 +163,8 @@ def main() -> None:
     cycles = sleep_cycles_per_ms()
     print(f"bench_replay: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
           f"{LENGTH} rows, heads {HQ}/{HKV}, D={D}")
-    print(f"{'call':38s} {'wrapper us':>11s} {'replayed us':>12s} {'saved us':>9s}  same forward bits")
+    print(f"{'call':38s} {'wrapper us':>11s} {'recording us':>13s} {'replayed us':>12s} {'saved us':>9s}  "
+          "same forward bits")
     for name, fn in _calls(kernel, device):
         with dtcp.config.override(kernel_replay=False):
             fn()
@@ -149,11 +173,12 @@ def main() -> None:
         for _ in range(3):  # first call, recording, a replay
             got = fn()
         fast = host_us(fn, args.calls, cycles)
+        recording = record_us(fn, max(5, args.calls // 10), cycles)
         same = ""
         if "forward" in name:
             pairs = [(got[0], want[0]), (got[1], want[1])]
             same = "yes" if all(torch.equal(a, b) for a, b in pairs) else "NO"
-        print(f"{name:38s} {direct:11.1f} {fast:12.1f} {direct - fast:9.1f}  {same}")
+        print(f"{name:38s} {direct:11.1f} {recording:13.1f} {fast:12.1f} {direct - fast:9.1f}  {same}")
     if args.breakdown:
         breakdown(_calls(kernel, device), args.calls, cycles)
         import cProfile
@@ -169,6 +194,11 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"  cProfile, 20 calls through the wrapper: {name}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    from dtcp.exec.calibrate import launch_host_s
+    with dtcp.config.override(kernel_replay=False):
+        pair_direct = launch_host_s(kernel, device)
+    pair_fast = launch_host_s(kernel, device)
+    print(f"calibrate launch_host_s (fa4 varlen pair): wrapper {pair_direct * 1e6:.0f} us, replayed {pair_fast * 1e6:.0f} us")
     for which in ("fwd", "bwd"):
         w = replayed(which)
         print(f"fa4 {which}: {w.stats}; programs {sum(1 for p in w.programs.values() if hasattr(p, 'steps'))}, "
