@@ -320,6 +320,24 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype and a.device == b.device)
 
 
+_OP_FACTS: dict = {}  # aten op -> (writes into an argument, may return a view of one)
+
+
+def _op_facts(func) -> tuple:
+    facts = _OP_FACTS.get(func)
+    if facts is None:
+        facts = _OP_FACTS[func] = (op_writes(func), op_returns_views(func))
+    return facts
+
+
+def _what(kind: str, fn) -> str:
+    """What a refusal names: an op, a compiled launch, or `kind` itself ("the result"). Built only
+    for a refusal: str() of an op costs µs, and a recording goes through every op's arguments."""
+    if kind == "op":
+        return str(fn)
+    return f"a compiled launch ({type(fn).__name__})" if kind == "launch" else kind
+
+
 def _build(log: list, tensors: list, result) -> Program:
     """The Program that replays `log` (one recorded call on `tensors`, which returned `result`)."""
     where: dict = {}  # id(tensor) -> slot
@@ -332,50 +350,54 @@ def _build(log: list, tensors: list, result) -> Program:
     # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
     # a plain int would replay the recorded call's memory
     addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
+    plain_types = frozenset(_PLAIN)
 
-    def leaf(x, what: str):
+    def leaf(x, kind: str, fn):
         if isinstance(x, torch.Tensor):
-            if id(x) not in where:
-                raise _Refused(f"{what} takes a tensor {tuple(x.shape)} {x.dtype} that is neither an argument of "
-                               "the call nor made in it (a tensor cached across calls)")
-            return _Ref(where[id(x)])
+            slot = where.get(id(x))
+            if slot is None:
+                raise _Refused(f"{_what(kind, fn)} takes a tensor {tuple(x.shape)} {x.dtype} that is neither an "
+                               "argument of the call nor made in it (a tensor cached across calls)")
+            return _Ref(slot)
         if isinstance(x, _PLAIN):
             return x
-        raise _Refused(f"{what} takes a {type(x).__name__}, which a replay cannot rebuild")
+        raise _Refused(f"{_what(kind, fn)} takes a {type(x).__name__}, which a replay cannot rebuild")
 
-    def spec(obj, what: str):
-        leaves, tree = tree_flatten(obj)
-        return [leaf(x, what) for x in leaves], tree
-
-    def argument(x, what: str):
+    def argument(x, kind: str, fn):
         """An argument as the replay passes it: a _Ref for a tensor, else the recorded value,
         which must hold no tensor (a list of sizes, a tuple of Nones)."""
-        if isinstance(x, torch.Tensor) or isinstance(x, _PLAIN):
-            return leaf(x, what)
+        t = type(x)
+        if t in plain_types:
+            return x
+        if t is list or t is tuple or t is torch.Size:
+            if all(type(y) in plain_types for y in x):  # (sizes, strides: the common case, no pytree)
+                return x
+        elif isinstance(x, torch.Tensor) or isinstance(x, _PLAIN):
+            return leaf(x, kind, fn)
         leaves, _ = tree_flatten(x)
         for y in leaves:
             if isinstance(y, torch.Tensor):
-                raise _Refused(f"{what} takes a {type(x).__name__} holding tensors, which a replay cannot rebuild")
-            leaf(y, what)
+                raise _Refused(f"{_what(kind, fn)} takes a {type(x).__name__} holding tensors, which a replay "
+                               "cannot rebuild")
+            leaf(y, kind, fn)
         return x
 
     for kind, fn, args, kwargs, out in log:
         if kind == "returned":
             raise _Refused(f"a compiled launch returned a {type(out).__name__} (a value the wrapper may use)")
-        what = str(fn) if kind == "op" else f"a compiled launch ({type(fn).__name__})"
-        step_args = [argument(a, what) for a in args]
-        step_kwargs = {name: argument(a, what) for name, a in kwargs.items()}
-        refs = [a for a in (*step_args, *step_kwargs.values()) if type(a) is _Ref]
+        step_args = [argument(a, kind, fn) for a in args]
+        step_kwargs = {name: argument(a, kind, fn) for name, a in kwargs.items()} if kwargs else {}
+        refs = [a for a in step_args if type(a) is _Ref] + [a for a in step_kwargs.values() if type(a) is _Ref]
         reads = {a.i for a in refs}
         if kind == "launch":
             if any(type(a) is int and a > 4096 and a in addresses for a in (*args, *kwargs.values())):
-                raise _Refused(f"{what} takes a tensor's address as an int, which a replay would pass again")
+                raise _Refused(f"{_what(kind, fn)} takes a tensor's address as an int, which a replay would pass again")
             steps.append((_Step(fn, step_args, step_kwargs, (), False, True), reads, reads, True))
             continue
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(o is None or type(o) is torch.Tensor for o in outs):
             raise _Refused(f"{fn} returned a {type(out).__name__} (the wrapper read a value on the host)")
-        mutates = op_writes(fn)
+        mutates, returns_views = _op_facts(fn)
         if not mutates and isinstance(out, torch.Tensor):
             alias = next((a.i for a in refs if _same_view(out, keep[a.i])), None)
             if alias is not None:  # (detach, alias, a view to the same shape: the tensor itself)
@@ -399,13 +421,14 @@ def _build(log: list, tensors: list, result) -> Program:
         if not mutates:
             # new memory: an op whose outputs alias none of its arguments (an allocation, an
             # out-of-place op), or a view of new memory only
-            if not op_returns_views(fn) or reads <= fresh:
+            if not returns_views or reads <= fresh:
                 fresh.update(i for i in out_slots if i is not None)
             if single:
                 fn = _binding(fn)
         steps.append((_Step(fn, step_args, step_kwargs, tuple(out_slots), single, False), reads, writes, mutates))
 
-    result_leaves, result_tree = spec(result, "the result")
+    leaves, result_tree = tree_flatten(result)
+    result_leaves = [leaf(x, "the result", None) for x in leaves]
     return Program(_live(steps, fresh, result_leaves), slots, result_leaves, result_tree)
 
 
