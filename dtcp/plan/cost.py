@@ -75,6 +75,11 @@ class Machine:
     # ~0.5 ms a launch pair (H100, FA4 4.0.0b36, measured by dtcp.calibrate's launch_host_s). A
     # rank whose steps hold little work (short documents, 8K tokens per rank) waits on its host:
     # bench_split --profile measured 3.3 ms of device time in a 12 ms pass (issue 23).
+    # With FA4's calls replayed (dtcp/kernels/replay.py) calibrate measures 0.10 ms on an H200
+    # host (0.17 through the wrapper; benchmarks/results/replay_h200_2026-11-29b.txt). The
+    # default stays 0.5 ms: the model leaves out other per-launch host costs, and at 0.15 ms
+    # auto's picks on the one-GPU grid moved away from the measured times (bench_split --replay
+    # of split_h200_2026-11-29_grid26_causal: 7 of 9 within 5%, against 8 of 9).
     launch_host_s: tuple = (("fa4", 5e-4),)
     # Host seconds a ring launch's forward + backward spend beyond the kernel's own launch: the
     # step's bookkeeping, the gathers of its rows and keys, the merge and the dK/dV adds (a few
