@@ -200,9 +200,9 @@ except ImportError:  # (then every call takes the plain path)
 
 def dispatch_mode_active() -> bool:
     """Is a TorchDispatchMode active on this thread (FakeTensorMode, a FLOP counter, a recorder)?
-    torch.utils._python_dispatch._get_current_dispatch_mode: checked on 2.13.0+cpu (not yet run on
-    2.11: added after that session's GPU runs). Where it is missing: True (the caller then takes
-    its plain path)."""
+    torch.utils._python_dispatch._get_current_dispatch_mode: checked on 2.13.0+cpu and on
+    2.11+cu130 (tests/gpu with FA4's calls replayed, 2026-11-29). Where it is missing: True (the
+    caller then takes its plain path)."""
     return _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None
 
 
