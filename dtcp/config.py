@@ -25,7 +25,7 @@ nothing reads the environment or a module global on the hot path.
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
 | `ring_one_launch` | True | | a ring step's tasks (document pieces, chunk pairs, diagonal and off-diagonal blocks) as one varlen launch per window where the kernel has one (fa4, flash) |
 | `varlen_gaps` | True | | ... and a launch whose rows or keys lie apart (in order) reads them in place, leaving the rows between out (FA4's seqused), instead of gathering them |
-| `kernel_replay` | True | `DTCP_KERNEL_REPLAY` | FlashAttention-4's Python wrapper runs on a call signature's first two calls (shapes, strides, dtypes, alignment, plain values; the second recorded); later calls replay its allocations and compiled launches without it (dtcp/kernels/replay.py; one H200 host: about 100 µs less a forward call, 50 µs less a backward call) |
+| `kernel_replay` | True | `DTCP_KERNEL_REPLAY` | FlashAttention-4's Python wrapper runs on a call signature's first two calls (shapes, strides, dtypes, alignment, plain values; the second recorded); later calls replay its allocations and compiled launches without it (dtcp/kernels/replay.py; two H200 hosts: 55-110 µs less a forward call, 20-55 µs less a backward call; a recording costs 3-5x a wrapper call) |
 | `ring_steps_per_launch` | 1 | `DTCP_RING_STEPS_PER_LAUNCH` | G > 1: the ring's received blocks in groups of G, each block straight from its home rank and each group one launch where the kernel has one-launch steps (dtcp/exec/grouped.py); "auto": G per call from the cost model (groups only where it predicts them 10% faster than G = 1) |
 """
 
