@@ -54,6 +54,7 @@ from ..config import config
 
 #: plain values a call or op may take as they were recorded (a value of another type: refused)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN_TYPES = frozenset(_PLAIN)  # (exact types: a recording's common case, without isinstance)
 
 #: the most signatures a wrapper keeps (each a few µs of Python objects); beyond, the oldest go
 MAX_SIGNATURES = 4096
@@ -352,7 +353,6 @@ def _build(log: list, tensors: list, result) -> Program:
     # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
     # a plain int would replay the recorded call's memory
     addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
-    plain_types = frozenset(_PLAIN)
 
     def leaf(x, kind: str, fn):
         if isinstance(x, torch.Tensor):
@@ -369,10 +369,10 @@ def _build(log: list, tensors: list, result) -> Program:
         """An argument as the replay passes it: a _Ref for a tensor, else the recorded value,
         which must hold no tensor (a list of sizes, a tuple of Nones)."""
         t = type(x)
-        if t in plain_types:
+        if t in _PLAIN_TYPES:
             return x
         if t is list or t is tuple or t is torch.Size:
-            if all(type(y) in plain_types for y in x):  # (sizes, strides: the common case, no pytree)
+            if all(type(y) in _PLAIN_TYPES for y in x):  # (sizes, strides: the common case, no pytree)
                 return x
         elif isinstance(x, torch.Tensor) or isinstance(x, _PLAIN):
             return leaf(x, kind, fn)
