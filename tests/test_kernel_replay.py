@@ -456,3 +456,113 @@ def test_an_in_place_op_through_a_view_of_an_argument_is_replayed():
     assert fast.stats["replayed"] == 2
     program = next(p for p in fast.programs.values() if type(p) is Program)
     assert sum("fill_" in str(s.fn) for s in program.steps) == 1
+
+
+@pytest.mark.parametrize("returned", ["base", "view"])
+def test_a_write_into_new_memory_counts_for_every_view_of_it(returned):
+    """A write through a view of a new tensor whose base is returned, and a write into a new base
+    a view of which (made before the write) is returned: both are kept (each was dropped as a
+    write into memory nothing read, and the replay returned the allocation's bare values)."""
+    def wrapper(x):
+        t = torch.zeros(3, 4)
+        view = t.transpose(0, 1)
+        if returned == "base":
+            t.view(-1)[:5].add_(x.sum())
+            return t
+        t.add_(x.sum())
+        return view
+
+    wrapper.compile_cache = {}
+    fast = Replayed(wrapper, lambda: [wrapper])
+    for i in range(4):
+        x = torch.full((2,), float(i + 1))
+        assert torch.equal(fast(x.clone()), wrapper(x.clone())), i
+    assert fast.stats["replayed"] == 2
+
+
+class _Mix:
+    """A random "compiled" launch: dst = dst * 0.5 + a.sum() * c + b.mean() (in place)."""
+
+    def __call__(self, a, b, dst, c):
+        dst.mul_(0.5).add_(a.sum() * c + b.mean())
+
+
+def _random_wrapper(seed: int):
+    """A wrapper of random steps over a pool of tensors (the call's x, y and out first): new
+    tensors (zeros, or empty and filled at once by a launch), views (transpose, slice, detach,
+    flatten), in-place ops, out-of-place ops and launches (into any tensor, the call's too),
+    returning a random few of them. What the replay must reproduce whatever it drops."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(n):
+        return int(torch.randint(0, n, (1,), generator=g))
+
+    program = []
+    sizes = [2, 2, 2]  # the pool's tensors' dims, as the program builds it
+    for _ in range(4 + pick(12)):
+        kind = ("zeros", "filled", "view", "view", "inplace", "outplace", "launch")[pick(7)]
+        i = pick(len(sizes))
+        if kind == "view":
+            how = ("transpose", "slice", "detach", "flatten")[pick(4)]
+            if how == "transpose" and sizes[i] != 2:
+                how = "detach"
+            program.append(("view", i, how))
+            sizes.append(1 if how == "flatten" else sizes[i])
+        elif kind in ("zeros", "filled"):
+            program.append((kind,))
+            sizes.append(2)
+        elif kind == "inplace":
+            program.append(("inplace", i, ("zero_", "add_", "mul_")[pick(3)]))
+        elif kind == "outplace":
+            program.append(("outplace", i))
+            sizes.append(sizes[i])
+        else:
+            program.append(("launch", pick(len(sizes)), pick(len(sizes)), i, float(pick(5))))
+    returned = sorted({pick(len(sizes)) for _ in range(1 + pick(3))})
+
+    def wrapper(x, y, out):
+        pool = [x, y, out]
+        for step in program:
+            if step[0] == "zeros":
+                pool.append(torch.zeros(3, 4, dtype=torch.float64))
+            elif step[0] == "filled":
+                t = torch.empty(3, 4, dtype=torch.float64)
+                wrapper.compile_cache["mix"](x, y, t.zero_(), 1.0)  # (zeroed first: the launch reads dst)
+                pool.append(t)
+            elif step[0] == "view":
+                t, how = pool[step[1]], step[2]
+                pool.append(t.transpose(0, 1) if how == "transpose" else t[1:] if how == "slice"
+                            else t.detach() if how == "detach" else t.reshape(-1))
+            elif step[0] == "inplace":
+                t, op = pool[step[1]], step[2]
+                t.zero_() if op == "zero_" else t.add_(1.5) if op == "add_" else t.mul_(2.0)
+            elif step[0] == "outplace":
+                pool.append(pool[step[1]] * 3.0)
+            else:
+                a, b, dst, c = step[1:]
+                wrapper.compile_cache["mix"](pool[a], pool[b], pool[dst], c)
+        return tuple(pool[i] for i in returned)
+
+    wrapper.compile_cache = {"mix": _Mix()}
+    return wrapper
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_wrappers_replay_to_the_wrappers_bits(seed):
+    """Random programs of allocations, views, in-place and out-of-place ops and launches: the
+    replay returns what the wrapper returns and leaves the call's tensors as the wrapper does,
+    on new values every call, whatever steps its dead-op pass dropped."""
+    wrapper = _random_wrapper(seed)
+    fast = Replayed(wrapper, lambda: [wrapper])
+    g = torch.Generator().manual_seed(1000 + seed)
+    for call in range(5):
+        inputs = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+        want_inputs = [t.clone() for t in inputs]
+        want = wrapper(*want_inputs)
+        got = fast(*inputs)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (seed, call)
+        for a, b in zip(inputs, want_inputs):
+            assert torch.equal(a, b), (seed, call, "the call's tensors")
+    assert fast.stats["replayed"] == 3 and fast.stats["refused"] == 0, fast.stats

@@ -20,7 +20,10 @@ once, and later calls replay what it did, on their own tensors:
     during the recorded call), with its arguments, in order.
 
 Ops that make or write new tensors nothing uses are dropped (a write into the call's tensors, or
-through a view of them, is kept), and views that only alias an argument (detach) too.
+through a view of them, is kept), and views that only alias an argument (detach) too. Uses count
+by memory: a write into a new tensor is kept where it, its base or any view of that base is read
+later (tests/test_kernel_replay.py checks random programs of allocations, views, in-place ops and
+launches against the wrapper).
 A signature is never replayed (always called through the wrapper) where its recording saw the
 wrapper read a tensor's value on the host (an op returning a non-tensor, such as .item()), hand a
 launch or op a tensor of unknown origin (one cached across calls), give a launch an argument the
@@ -350,6 +353,9 @@ def _build(log: list, tensors: list, result) -> Program:
     slots = len(tensors)
     steps: list = []  # (_Step, slots it reads, slots it writes, mutates)
     fresh: set = set()  # slots of new tensors (allocations): the only memory a dropped write may hit
+    # slot -> the slots whose memory it may share, where that is more than itself: a view's are
+    # those of what it views (a write through a view changes its base, and the reverse)
+    shares: dict = {}
     # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
     # a plain int would replay the recorded call's memory
     addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
@@ -425,25 +431,38 @@ def _build(log: list, tensors: list, result) -> Program:
             # out-of-place op), or a view of new memory only
             if not returns_views or reads <= fresh:
                 fresh.update(i for i in out_slots if i is not None)
+            if returns_views and reads:
+                memory = _memory_of(reads, shares)
+                shares.update((i, memory) for i in out_slots if i is not None)
             if single:
                 fn = _binding(fn)
         steps.append((_Step(fn, step_args, step_kwargs, tuple(out_slots), single, False), reads, writes, mutates))
 
     leaves, result_tree = tree_flatten(result)
     result_leaves = [leaf(x, "the result", None) for x in leaves]
-    return Program(_live(steps, fresh, result_leaves), slots, result_leaves, result_tree)
+    return Program(_live(steps, fresh, shares, result_leaves), slots, result_leaves, result_tree)
 
 
-def _live(steps: list, fresh: set, result_leaves: list) -> list:
+def _memory_of(slots, shares: dict) -> frozenset:
+    """The slots whose memory `slots` may touch: each slot, or what it views (`shares`)."""
+    memory = set()
+    for i in slots:
+        memory.update(shares.get(i, (i,)))
+    return frozenset(memory)
+
+
+def _live(steps: list, fresh: set, shares: dict, result_leaves: list) -> list:
     """The steps that matter: every launch, every op writing into memory that is not a new
     tensor's (the call's tensors, or a view of them), and the ops whose outputs those (or the
-    result) read, transitively. The rest made or wrote new tensors that nothing uses."""
-    needed = {leaf.i for leaf in result_leaves if type(leaf) is _Ref}
+    result) read, transitively. The rest made or wrote new tensors that nothing uses. Reads and
+    writes count by memory, not by slot: a write through a view is needed where its base (or
+    another view of it) is read later, and a write into a base where a view of it is."""
+    needed = set(_memory_of([leaf.i for leaf in result_leaves if type(leaf) is _Ref], shares))
     kept = []
     for step, reads, writes, mutates in reversed(steps):
-        if step.is_launch or (mutates and not writes <= fresh) or (writes & needed):
+        if step.is_launch or (mutates and not writes <= fresh) or (_memory_of(writes, shares) & needed):
             kept.append(step)
-            needed |= reads
+            needed |= _memory_of(reads, shares)
     return kept[::-1]
 
 
