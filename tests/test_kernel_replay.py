@@ -550,19 +550,42 @@ def _random_wrapper(seed: int):
 @pytest.mark.parametrize("seed", range(200))
 def test_random_wrappers_replay_to_the_wrappers_bits(seed):
     """Random programs of allocations, views, in-place and out-of-place ops and launches: the
-    replay returns what the wrapper returns and leaves the call's tensors as the wrapper does,
-    on new values every call, whatever steps its dead-op pass dropped."""
+    replay returns what the wrapper returns (values, requires_grad, and which of them are the
+    call's own tensors) and leaves the call's tensors as the wrapper does, on new values every
+    call, whatever steps its dead-op pass dropped. Odd seeds: the call's tensors require grad
+    (called under no_grad, as dtcp's autograd functions call FA4)."""
     wrapper = _random_wrapper(seed)
     fast = Replayed(wrapper, lambda: [wrapper])
     g = torch.Generator().manual_seed(1000 + seed)
+    grad = seed % 2 == 1
     for call in range(5):
-        inputs = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3)]
-        want_inputs = [t.clone() for t in inputs]
-        want = wrapper(*want_inputs)
-        got = fast(*inputs)
+        inputs = [torch.randn(3, 4, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(3)]
+        want_inputs = [t.detach().clone().requires_grad_(grad) for t in inputs]
+        with torch.no_grad():
+            want = wrapper(*want_inputs)
+            got = fast(*inputs)
         assert len(got) == len(want)
         for a, b in zip(got, want):
             assert torch.equal(a, b), (seed, call)
+            assert a.requires_grad == b.requires_grad, (seed, call)
+            assert [a is t for t in inputs] == [b is t for t in want_inputs], (seed, call)
         for a, b in zip(inputs, want_inputs):
             assert torch.equal(a, b), (seed, call, "the call's tensors")
     assert fast.stats["replayed"] == 3 and fast.stats["refused"] == 0, fast.stats
+
+
+def test_a_returned_detached_argument_is_its_own_tensor():
+    """The wrapper returns detached views of its arguments: the replay returns new detached views
+    too, not the arguments themselves (which would require grad, and be the caller's objects)."""
+    def wrapper(x, y):
+        return x.detach(), y.detach(), x
+
+    wrapper.compile_cache = {}
+    fast = Replayed(wrapper, lambda: [wrapper])
+    for _ in range(4):
+        x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+        with torch.no_grad():
+            a, b, c = fast(x, y)
+        assert a is not x and not a.requires_grad and a.data_ptr() == x.data_ptr()
+        assert b is not y and b.data_ptr() == y.data_ptr() and c is x
+    assert fast.stats["replayed"] == 2

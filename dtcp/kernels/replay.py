@@ -20,7 +20,8 @@ once, and later calls replay what it did, on their own tensors:
     during the recorded call), with its arguments, in order.
 
 Ops that make or write new tensors nothing uses are dropped (a write into the call's tensors, or
-through a view of them, is kept), and views that only alias an argument (detach) too. Uses count
+through a view of them, is kept), and views that only alias an argument (detach) too, unless
+returned where the alias is the call's own tensor or differs from it in requires_grad. Uses count
 by memory: a write into a new tensor is kept where it, its base or any view of that base is read
 later (tests/test_kernel_replay.py checks random programs of allocations, views, in-place ops and
 launches against the wrapper).
@@ -359,6 +360,12 @@ def _build(log: list, tensors: list, result) -> Program:
     # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
     # a plain int would replay the recorded call's memory
     addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
+    # the tensors the call returns: one that aliases the call's own tensor, or one that does not
+    # require grad where what it aliases does (a detached view), is the wrapper's own tensor, not
+    # the one it aliases (the caller may treat it apart, and autograd does)
+    result_leaves_made, result_tree = tree_flatten(result)
+    returned = {id(t) for t in result_leaves_made if isinstance(t, torch.Tensor)}
+    n_args = len(tensors)
 
     def leaf(x, kind: str, fn):
         if isinstance(x, torch.Tensor):
@@ -408,6 +415,9 @@ def _build(log: list, tensors: list, result) -> Program:
         mutates, returns_views = _op_facts(fn)
         if not mutates and isinstance(out, torch.Tensor):
             alias = next((a.i for a in refs if _same_view(out, keep[a.i])), None)
+            if alias is not None and id(out) in returned and (
+                    alias < n_args or out.requires_grad != keep[alias].requires_grad):
+                alias = None  # (replayed: the op makes the returned tensor, as the wrapper did)
             if alias is not None:  # (detach, alias, a view to the same shape: the tensor itself)
                 where.setdefault(id(out), alias)
                 continue
@@ -438,8 +448,7 @@ def _build(log: list, tensors: list, result) -> Program:
                 fn = _binding(fn)
         steps.append((_Step(fn, step_args, step_kwargs, tuple(out_slots), single, False), reads, writes, mutates))
 
-    leaves, result_tree = tree_flatten(result)
-    result_leaves = [leaf(x, "the result", None) for x in leaves]
+    result_leaves = [leaf(x, "the result", None) for x in result_leaves_made]
     return Program(_live(steps, fresh, shares, result_leaves), slots, result_leaves, result_tree)
 
 
