@@ -489,58 +489,49 @@ class _Mix:
 
 def _random_wrapper(seed: int):
     """A wrapper of random steps over a pool of tensors (the call's x, y and out first): new
-    tensors (zeros, or empty and filled at once by a launch), views (transpose, slice, detach,
-    flatten), in-place ops, out-of-place ops and launches (into any tensor, the call's too),
-    returning a random few of them. What the replay must reproduce whatever it drops."""
+    tensors (zeros, clones), views (transpose, slice, unsqueeze, select, flatten, detach),
+    in-place ops (add_, copy_ between tensors of one shape, mul out=) and launches (into any
+    tensor, the call's too), returning a random few of them. What the replay must reproduce
+    whatever it drops."""
     g = torch.Generator().manual_seed(seed)
 
     def pick(n):
         return int(torch.randint(0, n, (1,), generator=g))
 
-    program = []
-    sizes = [2, 2, 2]  # the pool's tensors' dims, as the program builds it
-    for _ in range(4 + pick(12)):
-        kind = ("zeros", "filled", "view", "view", "inplace", "outplace", "launch")[pick(7)]
-        i = pick(len(sizes))
-        if kind == "view":
-            how = ("transpose", "slice", "detach", "flatten")[pick(4)]
-            if how == "transpose" and sizes[i] != 2:
-                how = "detach"
-            program.append(("view", i, how))
-            sizes.append(1 if how == "flatten" else sizes[i])
-        elif kind in ("zeros", "filled"):
-            program.append((kind,))
-            sizes.append(2)
-        elif kind == "inplace":
-            program.append(("inplace", i, ("zero_", "add_", "mul_")[pick(3)]))
-        elif kind == "outplace":
-            program.append(("outplace", i))
-            sizes.append(sizes[i])
-        else:
-            program.append(("launch", pick(len(sizes)), pick(len(sizes)), i, float(pick(5))))
-    returned = sorted({pick(len(sizes)) for _ in range(1 + pick(3))})
+    program, pool_size = [], 3
+    for _ in range(4 + pick(16)):
+        kind = pick(11)
+        program.append((kind, pick(pool_size), pick(pool_size), float(pick(5))))
+        pool_size += kind in (0, 1, 2, 3, 6, 8, 9)  # (the kinds that add a tensor to the pool)
+    returned = sorted({pick(pool_size) for _ in range(1 + pick(3))})
 
     def wrapper(x, y, out):
         pool = [x, y, out]
-        for step in program:
-            if step[0] == "zeros":
+        for kind, i, j, c in program:
+            t, other = pool[i], pool[j]
+            same_shape = other.shape == t.shape and other.data_ptr() != t.data_ptr()
+            if kind == 0:
                 pool.append(torch.zeros(3, 4, dtype=torch.float64))
-            elif step[0] == "filled":
-                t = torch.empty(3, 4, dtype=torch.float64)
-                wrapper.compile_cache["mix"](x, y, t.zero_(), 1.0)  # (zeroed first: the launch reads dst)
-                pool.append(t)
-            elif step[0] == "view":
-                t, how = pool[step[1]], step[2]
-                pool.append(t.transpose(0, 1) if how == "transpose" else t[1:] if how == "slice"
-                            else t.detach() if how == "detach" else t.reshape(-1))
-            elif step[0] == "inplace":
-                t, op = pool[step[1]], step[2]
-                t.zero_() if op == "zero_" else t.add_(1.5) if op == "add_" else t.mul_(2.0)
-            elif step[0] == "outplace":
-                pool.append(pool[step[1]] * 3.0)
-            else:
-                a, b, dst, c = step[1:]
-                wrapper.compile_cache["mix"](pool[a], pool[b], pool[dst], c)
+            elif kind == 1:
+                pool.append(t.transpose(0, 1) if t.dim() == 2 else t.detach())
+            elif kind == 2:
+                pool.append(t[1:] if t.dim() >= 1 and t.shape[0] > 1 else t.detach())
+            elif kind == 3:
+                pool.append(t.unsqueeze(0) if t.dim() < 3 else t.detach())
+            elif kind == 4:
+                t.add_(c)
+            elif kind == 5 and same_shape:
+                other.copy_(t)
+            elif kind == 6:
+                pool.append(t.clone())
+            elif kind == 7 and same_shape:
+                torch.mul(t, c, out=other)
+            elif kind == 8:
+                pool.append(t[0] if t.dim() >= 1 and t.shape[0] > 0 else t.detach())
+            elif kind == 9:
+                pool.append(t.reshape(-1))
+            elif kind == 10:
+                wrapper.compile_cache["mix"](t, other, t, c)
         return tuple(pool[i] for i in returned)
 
     wrapper.compile_cache = {"mix": _Mix()}
@@ -588,4 +579,21 @@ def test_a_returned_detached_argument_is_its_own_tensor():
             a, b, c = fast(x, y)
         assert a is not x and not a.requires_grad and a.data_ptr() == x.data_ptr()
         assert b is not y and b.data_ptr() == y.data_ptr() and c is x
+    assert fast.stats["replayed"] == 2
+
+
+def test_a_view_of_a_detached_argument_does_not_require_grad():
+    """The wrapper returns a view of a detached argument (an internal alias): the replay's view
+    is made of the detached tensor too, so it does not require grad where the wrapper's does not
+    (a view of the argument itself would, under no_grad as with grad)."""
+    def wrapper(x):
+        return (x.detach().unsqueeze(0),)
+
+    wrapper.compile_cache = {}
+    fast = Replayed(wrapper, lambda: [wrapper])
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        with torch.no_grad():
+            (got,) = fast(x)
+        assert not got.requires_grad and got.data_ptr() == x.data_ptr()
     assert fast.stats["replayed"] == 2

@@ -20,8 +20,10 @@ once, and later calls replay what it did, on their own tensors:
     during the recorded call), with its arguments, in order.
 
 Ops that make or write new tensors nothing uses are dropped (a write into the call's tensors, or
-through a view of them, is kept), and views that only alias an argument (detach) too, unless
-returned where the alias is the call's own tensor or differs from it in requires_grad. Uses count
+through a view of them, is kept), and views that only alias an argument (detach) too: a launch
+is handed the tensor itself. Such a view is made by its op where it is returned and aliases the
+call's own tensor, or where it differs from it in requires_grad and an op or the result takes it
+(a view inherits requires_grad, under no_grad too). Uses count
 by memory: a write into a new tensor is kept where it, its base or any view of that base is read
 later (tests/test_kernel_replay.py checks random programs of allocations, views, in-place ops and
 launches against the wrapper).
@@ -366,6 +368,10 @@ def _build(log: list, tensors: list, result) -> Program:
     result_leaves_made, result_tree = tree_flatten(result)
     returned = {id(t) for t in result_leaves_made if isinstance(t, torch.Tensor)}
     n_args = len(tensors)
+    # tensors a later op takes (not a launch: a compiled kernel reads memory, not autograd state)
+    op_inputs = {id(t) for kind, _, args, kwargs, _ in log if kind == "op"
+                 for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
+                 if isinstance(t, torch.Tensor)}
 
     def leaf(x, kind: str, fn):
         if isinstance(x, torch.Tensor):
@@ -415,9 +421,13 @@ def _build(log: list, tensors: list, result) -> Program:
         mutates, returns_views = _op_facts(fn)
         if not mutates and isinstance(out, torch.Tensor):
             alias = next((a.i for a in refs if _same_view(out, keep[a.i])), None)
-            if alias is not None and id(out) in returned and (
-                    alias < n_args or out.requires_grad != keep[alias].requires_grad):
-                alias = None  # (replayed: the op makes the returned tensor, as the wrapper did)
+            if alias is not None and (
+                    (id(out) in returned and alias < n_args)
+                    or (out.requires_grad != keep[alias].requires_grad
+                        and (id(out) in returned or id(out) in op_inputs))):
+                # (replayed: the op makes the tensor, as the wrapper did: a returned one is not the
+                # call's own; one differing in requires_grad passes that on to what is made of it)
+                alias = None
             if alias is not None:  # (detach, alias, a view to the same shape: the tensor itself)
                 where.setdefault(id(out), alias)
                 continue
