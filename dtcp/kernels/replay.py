@@ -23,10 +23,9 @@ Ops that make or write new tensors nothing uses are dropped (a write into the ca
 through a view of them, is kept), and views that only alias an argument (detach) too: a launch
 is handed the tensor itself. Such a view is made by its op where it is returned and aliases the
 call's own tensor, or where it differs from it in requires_grad and an op or the result takes it
-(a view inherits requires_grad, under no_grad too). Uses count
-by memory: a write into a new tensor is kept where it, its base or any view of that base is read
-later (tests/test_kernel_replay.py checks random programs of allocations, views, in-place ops and
-launches against the wrapper).
+(a view inherits requires_grad, under no_grad too). Uses count by memory: a write into a new
+tensor is kept where it, its base or any view of that base is read later. tests/test_kernel_replay.py
+checks random programs of allocations, views, in-place ops and launches against the wrapper.
 A signature is never replayed (always called through the wrapper) where its recording saw the
 wrapper read a tensor's value on the host (an op returning a non-tensor, such as .item()), hand a
 launch or op a tensor of unknown origin (one cached across calls), give a launch an argument the
@@ -362,9 +361,7 @@ def _build(log: list, tensors: list, result) -> Program:
     # every tensor's address in the call (its arguments, what its ops made): a launch taking one as
     # a plain int would replay the recorded call's memory
     addresses = {t.data_ptr() for t in tensors} | {o.data_ptr() for o in _tensors_made(log)}
-    # the tensors the call returns: one that aliases the call's own tensor, or one that does not
-    # require grad where what it aliases does (a detached view), is the wrapper's own tensor, not
-    # the one it aliases (the caller may treat it apart, and autograd does)
+    # the tensors the call returns (an alias among them may have to be made by its op: below)
     result_leaves_made, result_tree = tree_flatten(result)
     returned = {id(t) for t in result_leaves_made if isinstance(t, torch.Tensor)}
     n_args = len(tensors)
