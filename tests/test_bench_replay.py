@@ -12,15 +12,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
 import bench_replay  # noqa: E402
-from test_kernel_replay import _compiled_fa4  # noqa: E402
+from test_kernel_replay import install_compiled_fa4  # noqa: E402
 
 
 def test_every_part_runs_and_replays(monkeypatch, capsys):
-    from dtcp.kernels import fa4 as fa4_mod
-
-    monkeypatch.setattr(fa4_mod, "_IMPORT", (_compiled_fa4(), None))
-    monkeypatch.setattr(fa4_mod, "_REPLAYED", {})
-    monkeypatch.setattr(fa4_mod, "_release", lambda: fa4_mod.REPLAY_CHECKED[0])
+    install_compiled_fa4(monkeypatch)
     got = bench_replay.main(["--device", "cpu", "--calls", "4", "--rows", "256", "--breakdown"])
     names = [row["call"] for row in got["calls"]]
     assert names == ["varlen forward_into, 8 documents", "varlen backward, 8 documents",

@@ -403,6 +403,16 @@ def _compiled_fa4():
     return fake
 
 
+def install_compiled_fa4(monkeypatch) -> None:
+    """dtcp's fa4 kernel over `_compiled_fa4()`, replayed as a checked release would be, with no
+    replay wrappers left from another test."""
+    from dtcp.kernels import fa4 as fa4_mod
+
+    monkeypatch.setattr(fa4_mod, "_IMPORT", (_compiled_fa4(), None))
+    monkeypatch.setattr(fa4_mod, "_REPLAYED", {})
+    monkeypatch.setattr(fa4_mod, "_release", lambda: fa4_mod.REPLAY_CHECKED[0])
+
+
 @pytest.mark.parametrize("layout_name", ["balanced", "zigzag"])
 def test_the_rings_fa4_calls_replay_to_the_same_bits_batch_after_batch(layout_name, monkeypatch):
     """4 simulated ranks (tests/sim_ranks.py) run dtcp's fa4 kernel over the stand-in, as a model
@@ -414,10 +424,7 @@ def test_the_rings_fa4_calls_replay_to_the_same_bits_batch_after_batch(layout_na
     from dtcp.kernels import fa4 as fa4_mod
     from sim_ranks import simulated_ring
 
-    fake = _compiled_fa4()
-    monkeypatch.setattr(fa4_mod, "_IMPORT", (fake, None))
-    monkeypatch.setattr(fa4_mod, "_REPLAYED", {})
-    monkeypatch.setattr(fa4_mod, "_release", lambda: fa4_mod.REPLAY_CHECKED[0])
+    install_compiled_fa4(monkeypatch)
     kernel, n, s = KERNELS["fa4"], 4, 256
     g = torch.Generator().manual_seed(11)
     for batch in range(3):
