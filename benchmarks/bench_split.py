@@ -753,14 +753,13 @@ def job_passes(job: RankJob, device, dtype, scale: float) -> tuple[Callable, Cal
     v = torch.randn(job.kv_shape, device=device, dtype=dtype, generator=g)
     dout = torch.randn(job.q_shape, device=device, dtype=dtype, generator=g)
     ring = R._has_ring(job.plan)
+    comm = NoComm() if ring else None  # (one per rank: the grouped ring's receive buffers stand in once)
 
     def fwd():
-        comm = NoComm() if ring else None
         return R._forward(job.route, job.plan, q, k, v, scale, job.keep, comm, None)
 
     def bwd(res):
         out, lse, kept = res
-        comm = NoComm() if ring else None
         return R._backward(job.route, job.plan, dout, q, k, v, out, lse, scale, kept if job.keep else None, comm)
 
     return fwd, bwd
@@ -1175,6 +1174,9 @@ def parse_args(argv=None):
     p.add_argument("--ring-steps-per-launch", type=_steps_per_launch, default=None,
                    help="dtcp.config.ring_steps_per_launch for the ring (default: the config's; G > 1: the "
                         "received blocks in groups of G, one launch a group; auto: the cost model's G per point)")
+    p.add_argument("--ring-groups-in-place", type=int, choices=(0, 1), default=None,
+                   help="dtcp.config.ring_groups_in_place (default: the config's; 0: every group packed into one "
+                        "launch, 1: read in place where it can be)")
     p.add_argument("--seq-scale", default="1", help="every length times this (a fraction: 1/128 for a CPU smoke run)")
     p.add_argument("--rank-sample", type=int, default=None, help="time at most this many ranks per ring/all-gather "
                                                                  "point (0: all; default: the case's own)")
@@ -1210,6 +1212,8 @@ def main(argv=None) -> dict:
         return results
     if args.ring_steps_per_launch is not None:
         dtcp_config.ring_steps_per_launch = args.ring_steps_per_launch
+    if args.ring_groups_in_place is not None:
+        dtcp_config.ring_groups_in_place = bool(args.ring_groups_in_place)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu for the smoke run)")
@@ -1239,6 +1243,7 @@ def main(argv=None) -> dict:
                   seq_scale=args.seq_scale, world_sizes=list(world_sizes), strategies=list(strategies),
                   warmup=args.warmup, iters=args.iters, point_seconds=args.point_seconds, quick=args.quick,
                   ring_steps_per_launch=dtcp_config.ring_steps_per_launch,
+                  ring_groups_in_place=dtcp_config.ring_groups_in_place,
                   merge_slots_bytes=dtcp_config.merge_slots_bytes,
                   fa4=fa4_status or "available", lognormal_fit=dict(zip(("mu", "sigma"), lognormal_fit()))),
         cases=[], points=[], auto=[], errors=[], skipped=[],

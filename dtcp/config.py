@@ -27,6 +27,7 @@ nothing reads the environment or a module global on the hot path.
 | `varlen_gaps` | True | | ... and a launch whose rows or keys lie apart (in order) reads them in place, leaving the rows between out (FA4's seqused), instead of gathering them |
 | `kernel_replay` | True | `DTCP_KERNEL_REPLAY` | FlashAttention-4's Python wrapper runs on a call signature's first two calls (shapes, strides, dtypes, alignment, plain values; the second recorded); later calls replay its allocations and compiled launches without it (dtcp/kernels/replay.py; two H200 hosts: 55-110 µs less a forward call, 20-55 µs less a backward call; a recording costs 3-5x a wrapper call) |
 | `ring_steps_per_launch` | 1 | `DTCP_RING_STEPS_PER_LAUNCH` | G > 1: the ring's received blocks in groups of G, each block straight from its home rank and each group one launch where the kernel has one-launch steps (dtcp/exec/grouped.py); "auto": G per call from the cost model (groups only where it predicts them 10% faster than G = 1) |
+| `ring_groups_in_place` | True | | ... and a group whose launches can read its received blocks in place (at most two launches, no key in two of them: a causal zigzag rank's) receives them into one buffer, one block after another, and its launches read it and write their dK/dV shares as they are, without packing copies (plan/group.py `InPlaceGroup`); False: every group packed into one launch |
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class Config:
     varlen_gaps: bool = True
     kernel_replay: bool = True
     ring_steps_per_launch: Union[int, str] = 1
+    ring_groups_in_place: bool = True
     cost_machine: object = None
     cost_objective: str = "auto"
     layer_flops_per_token: Optional[float] = None

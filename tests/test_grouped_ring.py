@@ -8,6 +8,7 @@ ring; the same K/V bytes in all; compiled with a new document structure every st
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import dtcp
 from dist_harness import run_ranks
 from dtcp.plan import AttnMask, Band, ring_plans
 from dtcp.plan.fuse import plan_launches
-from dtcp.plan.group import group_launches, step_chunks
+from dtcp.plan.group import MAX_IN_PLACE_LAUNCHES, InPlaceGroup, group_launches, in_place_group, step_chunks
 from sim_ranks import segments_of
 
 KEYS = ("out", "lse", "dq", "dk", "dv")
@@ -44,38 +45,100 @@ GROUP_PLANS = [  # (layout, documents or None, causal, world size)
 ]
 
 
+def _group_pairs(group) -> list:
+    """(row, j, key of step j's direct span) of every pair a group's launches compute, in order."""
+    got = []
+    if isinstance(group, InPlaceGroup):
+        ends = group.offsets[1:] + (group.length,)
+
+        def where(x):  # a buffer row -> (j, key of step j's direct span)
+            j = next(j for j, e in enumerate(ends) if x < e)
+            return j, x - group.offsets[j]
+        for launch in group.launches:
+            for (qa, qb), (ka, kb) in zip(launch.q_ranges, launch.k_ranges):
+                got += [(row,) + where(x) for row in range(qa, qb) for x in range(ka, kb)]
+        return got
+    packed = [(j, key) for j, a, e in group.pieces for key in range(a, e)]
+    if group.launch is not None:
+        assert group.launch.k_ranges[-1][1] == len(packed)
+        for (qa, qb), (ka, kb) in zip(group.launch.q_ranges, group.launch.k_ranges):
+            got += [(row, j, key) for row in range(qa, qb) for j, key in packed[ka:kb]]
+    return got
+
+
+def _check_in_place(group, plan) -> None:
+    """An InPlaceGroup's layout: the steps' direct spans one after another; each launch's keys tile
+    one range, the launches' ranges disjoint and, with `zeros`, covering the buffer once; each
+    launch's rows disjoint and in order."""
+    assert group.offsets == tuple(itertools.accumulate((plan.steps[t].direct_len for t in group.steps[:-1]),
+                                                       initial=0))
+    assert group.length == sum(plan.steps[t].direct_len for t in group.steps)
+    assert len(group.launches) <= MAX_IN_PLACE_LAUNCHES
+    cover = list(group.zeros)
+    for launch in group.launches:
+        assert launch.k_span is not None and launch.q_in_order and launch.window == (-1, -1)
+        cover.append(launch.k_span)
+    cover.sort()
+    assert cover[0][0] == 0 and cover[-1][1] == group.length if cover else group.length == 0
+    assert all(a[1] == b[0] for a, b in zip(cover, cover[1:])), cover
+
+
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("size", [2, 3, 8])
 @pytest.mark.parametrize("layout,docs,causal,n", GROUP_PLANS, ids=str)
-def test_a_group_launch_computes_its_steps_pairs_once(layout, docs, causal, n, size):
-    """Expanding the packed keys back to (step, key) pairs: each row sees exactly the keys its
-    steps' launches give it, each once; the rows of a launch are disjoint."""
+def test_a_group_launch_computes_its_steps_pairs_once(layout, docs, causal, n, size, in_place):
+    """Expanding a group's launches back to (row, step, key) pairs: each row sees exactly the keys
+    its steps' launches give it, each once; the rows of a launch are disjoint. In place, the
+    launches read the steps' direct spans one after another (no key twice); packed, a key may be
+    packed twice."""
     seq_len = sum(docs) if docs else 48
     mask = AttnMask.make(causal, (-1, 0) if causal else (-1, -1), segments_of(docs) if docs else None)
+    kinds = set()
     for plan in ring_plans(layout, seq_len // n, n, causal, mask):
-        groups = group_launches(plan, size)
+        groups = group_launches(plan, size, in_place=in_place)
         if isinstance(layout, dtcp.Striped):  # its off-diagonal blocks are causal, not full: step by step
-            assert groups is None or all(g.launch is None for g in groups), plan.rank
+            assert groups is None or all(not g.launches for g in groups), plan.rank
             continue
         assert groups is not None, plan.rank  # full off-diagonal launches: one launch a group
         assert tuple(g.steps for g in groups) == step_chunks(len(plan.steps), size)
         for group in groups:
+            kinds.add(type(group).__name__)
             want = set()
             for j, t in enumerate(group.steps):
-                origin = plan.steps[t].span[0]
+                origin = plan.steps[t].direct_span[0]
                 want |= {(row, j, key - origin) for row, key in _step_pairs(plan, t)}
-            got, packed = [], []
-            for j, a, e in group.pieces:
-                packed += [(j, key) for key in range(a, e)]
-            if group.launch is None:
-                assert not want
-                continue
-            assert group.launch.window == (-1, -1)
-            rows = sorted(group.launch.q_ranges)
-            assert all(x[1] <= y[0] for x, y in zip(rows, rows[1:]))
-            assert group.launch.k_ranges[-1][1] == len(packed)
-            for (qa, qb), (ka, kb) in zip(group.launch.q_ranges, group.launch.k_ranges):
-                got += [(row, j, key) for row in range(qa, qb) for j, key in packed[ka:kb]]
+                lo, hi = plan.steps[t].direct_span  # the direct span: the keys the step's tasks use
+                assert all(lo <= key < hi for _, key in _step_pairs(plan, t))
+            if isinstance(group, InPlaceGroup):
+                _check_in_place(group, plan)
+            else:
+                assert not in_place or in_place_group(plan, group.steps) is None
+            for launch in group.launches:
+                assert launch.window == (-1, -1)
+                rows = sorted(launch.q_ranges)
+                assert all(x[1] <= y[0] for x, y in zip(rows, rows[1:]))
+            got = _group_pairs(group)
             assert len(got) == len(set(got)) and set(got) == want, (plan.rank, group.steps)
+    if not in_place:
+        assert kinds <= {"StepGroup"}
+    elif isinstance(layout, dtcp.Zigzag) and docs is None:  # causal zigzag: every group in place
+        assert kinds == {"InPlaceGroup"}, kinds
+
+
+def test_direct_spans_pair_up():
+    """What a rank sends at step t (its direct home span) is what the rank it sends to receives
+    then (that rank's direct span of this rank's block): the same offset on every rank."""
+    for layout, docs, causal, n in GROUP_PLANS:
+        seq_len = sum(docs) if docs else 48
+        mask = AttnMask.make(causal, (-1, 0) if causal else (-1, -1), segments_of(docs) if docs else None)
+        plans = ring_plans(layout, seq_len // n, n, causal, mask)
+        for plan in plans:
+            for t, step in enumerate(plan.steps[1:], start=1):
+                peer = plans[(2 * plan.rank - step.src) % n]  # rank + d_t holds this rank's block at step t
+                assert peer.steps[t].src == plan.rank
+                assert peer.steps[t].direct_span == step.direct_home_span
+                assert step.span[0] <= step.direct_span[0] <= step.direct_span[1] <= step.span[1] or \
+                    step.direct_len == 0
 
 
 def test_a_window_has_no_group_launch():
@@ -111,7 +174,7 @@ def test_the_setting_from_the_environment(monkeypatch):
 
 # ---- on ranks ----------------------------------------------------------------------------------------
 
-def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=1, one_launch=True):
+def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=1, one_launch=True, in_place=True):
     """ring_attention with the ring in groups of `size` (1: the ring as it is), on this rank:
     errors against dense attention, launches (forward), and the K/V and dK/dV bytes sent."""
     from dtcp.exec import route as route_mod
@@ -137,7 +200,7 @@ def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=
 
     MathKernel.varlen_forward, MathKernel.forward = counting_varlen, counting_dense
     try:
-        with dtcp.config.override(ring_steps_per_launch=size):
+        with dtcp.config.override(ring_steps_per_launch=size, ring_groups_in_place=in_place):
             layout = dtcp.layout_from_spec(layout_spec)
             s = sum(docs) if docs else 16 * dist.get_world_size()
             g = torch.Generator().manual_seed(7)
@@ -169,10 +232,15 @@ def grouped_errors(layout_spec, docs, causal, window, size, heads=(4, 2), batch=
             got = (out, lse, *(t.grad for t in local))
             want = (out_ref, lse_ref, *(t.grad for t in ref))
             errs = {key: exact_err(a, layout.shard(b, dim=2)) for key, a, b in zip(KEYS, got, want)}
-            from dtcp.exec.grouped import grouped
+            from dtcp.exec.grouped import _group_indices, grouped
+            is_grouped = grouped(route.plan, route.kernel, route.steps_per_launch)
+            groups = _group_indices(route.plan, route.kernel, q.device, route.steps_per_launch) if is_grouped else None
+            # in groups, each step sends the keys the receiving rank uses (its direct home span)
+            sent_keys = sum(s.direct_home_span[1] - s.direct_home_span[0] for s in route.plan.steps[1:])
             return {**errs, "launches": launches, "kv_bytes": kv_bytes, "grad_bytes": grad_bytes,
-                    "grouped": grouped(route.plan, route.kernel, route.steps_per_launch), "steps": len(route.plan.steps),
-                    "size": route.steps_per_launch}
+                    "grouped": is_grouped, "steps": len(route.plan.steps), "size": route.steps_per_launch,
+                    "direct_kv_bytes": sent_keys * batch * heads[1] * 2 * 8 * q.element_size(),
+                    "in_place": sum(isinstance(g, InPlaceGroup) for g, _ in groups or ())}
     finally:
         MathKernel.varlen_forward, MathKernel.forward = varlen_fwd, fwd
         MathKernel.varlen_one_launch = False
@@ -201,12 +269,49 @@ def test_grouped_ring_exact(n, spec, docs, causal, window, size, heads, batch):
         for key in KEYS:
             assert r[key] < 1e-10, (key, r)
         assert r["grouped"] == (r["steps"] > 2), r  # two rounds or more: in groups
-    # the same K/V bytes leave the ranks in all (each block once per holder, no longer forwarded)
-    assert sum(r["kv_bytes"] for r in grouped) == sum(r["kv_bytes"] for r in ring)
+    # each block goes once to each holder, only the keys it uses: no more K/V bytes than the ring's
+    # chains, which carry what every later holder needs (and dK/dV go home the same way)
+    for r in grouped:
+        if r["grouped"]:
+            assert r["kv_bytes"] == r["direct_kv_bytes"], r
+    if grouped[0]["grouped"]:  # each received block's share goes home (float64 here, as the keys)
+        assert sum(r["grad_bytes"] for r in grouped) == sum(r["kv_bytes"] for r in grouped)
+    assert sum(r["kv_bytes"] for r in grouped) <= sum(r["kv_bytes"] for r in ring)
+    if spec == "zigzag" and docs is None and grouped[0]["grouped"]:  # a lower rank's block: half of it
+        assert sum(r["kv_bytes"] for r in grouped) < sum(r["kv_bytes"] for r in ring)
+        assert all(r["in_place"] for r in grouped), grouped
     # fewer launches where the received blocks are fully visible (not striped's causal off-diagonal
     # blocks, nor a window's bands: those run step by step); launches count per batch row
     if grouped[0]["grouped"] and window == (-1, -1) and batch == 1 and not spec.startswith("striped"):
         assert sum(r["launches"] for r in grouped) < sum(r["launches"] for r in ring), (grouped, ring)
+
+
+@pytest.mark.parametrize("n,spec,docs,size", [(4, "zigzag", None, 3), (8, "balanced@1:33,2,1,4,9,5,2,8",
+                                                                  (33, 2, 1, 4, 9, 5, 2, 8), 4)], ids=str)
+def test_grouped_ring_packed_and_in_place(n, spec, docs, size):
+    """The same call with every group packed (ring_groups_in_place=False) and read in place where
+    it can be: both exact (float64, 1e-10), the same bytes on the wire (what travels does not
+    depend on how a rank computes on it), in-place groups only where asked for."""
+    results = {}
+    for in_place in (True, False):
+        results[in_place] = run_ranks(n, grouped_errors, spec, docs, True, (-1, -1), size, (4, 2), 1, True, in_place)
+        for r in results[in_place]:
+            assert r["grouped"] and max(r[key] for key in KEYS) < 1e-10, r
+    assert sum(r["in_place"] for r in results[True]) > 0
+    assert sum(r["in_place"] for r in results[False]) == 0
+    for a, b in zip(results[True], results[False]):
+        assert (a["kv_bytes"], a["grad_bytes"]) == (b["kv_bytes"], b["grad_bytes"])
+
+
+def mixed_in_place_setting(spec, docs, size):
+    """Rank 0 packs every group, the others read theirs in place where they can: the transfers
+    are the same, so the call is exact on every rank."""
+    return grouped_errors(spec, docs, True, (-1, -1), size, in_place=dist.get_rank() != 0)
+
+
+def test_ranks_may_differ_on_in_place():
+    for r in run_ranks(4, mixed_in_place_setting, "zigzag", None, 3):
+        assert r["grouped"] and max(r[key] for key in KEYS) < 1e-10, r
 
 
 AUTO_CASES = [  # (world size, layout spec, documents, grouped)
@@ -290,6 +395,24 @@ def grouped_compiled(size):
         route_mod.clear_routes()
 
 
+def auto_size(seq_len: int, docs, n: int) -> int:
+    """ring_steps_per_launch="auto"'s size for grouped_compiled's layer at one of its steps (its
+    shapes: heads 4/2 of 4 dims, float64; Balanced(docs, min_chunk=1); the CPU flash kernel with
+    its varlen loop standing in for one launch, as grouped_compiled sets it)."""
+    from dtcp.exec import route as route_mod
+    from dtcp.kernels.cpu_flash import CpuFlashKernel
+
+    plans = ring_plans(dtcp.Balanced(docs, min_chunk=1), seq_len // n, n, True,
+                       AttnMask.make(True, (-1, 0), segments_of(docs)))
+    q, k = (torch.empty(1, h, seq_len // n, 4, dtype=torch.float64) for h in (4, 2))
+    saved, CpuFlashKernel.varlen_one_launch = CpuFlashKernel.varlen_one_launch, True
+    try:
+        with dtcp.config.override(ring_steps_per_launch="auto"):
+            return route_mod.ring_steps(plans, CpuFlashKernel(), q, k, k, n)
+    finally:
+        CpuFlashKernel.varlen_one_launch = saved
+
+
 @pytest.mark.parametrize("size", [2, "auto"])
 def test_grouped_ring_compiled_with_new_documents_every_step(size):
     """torch.compile(fullgraph=True), aot_eager, 4 ranks: equal to eager (out and every gradient),
@@ -297,16 +420,20 @@ def test_grouped_ring_compiled_with_new_documents_every_step(size):
     "auto" the size is chosen per call (a new mix is a new route, not a new graph)."""
     from test_dynamic_shapes import BALANCED_STEPS
     first_new_length = next(i for i, (s, _) in enumerate(BALANCED_STEPS) if s != BALANCED_STEPS[0][0])
+    # the calls in groups, eager and compiled: every step's at size 2; with "auto", the steps whose
+    # plans the cost model groups (computed here from the same plans and shapes)
+    want = 2 * (len(BALANCED_STEPS) if size == 2 else sum(auto_size(s, docs, 4) > 1 for s, docs in BALANCED_STEPS))
+    assert want > 0
     for r in run_ranks(4, grouped_compiled, size, timeout=400):
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
-        assert r["grouped"] >= len(BALANCED_STEPS), r  # the compiled and eager calls ran in groups
+        assert r["grouped"] == want, r  # (each ring call once: the compiled and eager calls ran in groups)
         assert r["frames"][:first_new_length] == [1] * first_new_length, r
         assert r["frames"][first_new_length:] == [2] * (len(BALANCED_STEPS) - first_new_length), r
 
 
 def test_the_cost_model_counts_the_group_launches():
-    """strategy="auto"'s launch count (exec/route.py _launches) follows the setting: the local
-    step's launches and one a group, instead of every step's."""
+    """strategy="auto"'s launch count (exec/route.py _launches) follows the settings: the local
+    step's launches and each group's (one packed, one or two in place), instead of every step's."""
     from dtcp.exec.route import _launches
     from dtcp.kernels import KERNELS
 
@@ -315,15 +442,21 @@ def test_the_cost_model_counts_the_group_launches():
                        AttnMask.make(True, (-1, 0), segments_of(docs)))
     fa4 = KERNELS["fa4"]
     totals = [0, 0]
-    for plan in plans:
-        per_step, rows = _launches(plan, fa4)
-        grouped, grouped_rows = _launches(plan, fa4, 4)
-        groups = group_launches(plan, 4)
-        assert grouped == len(plan_launches(plan)[0]) + sum(g.launch is not None for g in groups), plan.rank
-        assert grouped <= per_step and grouped_rows <= rows, (plan.rank, grouped, per_step)
-        totals[0] += per_step
-        totals[1] += grouped
+    kinds = set()
+    for in_place in (True, False):
+        with dtcp.config.override(ring_groups_in_place=in_place):
+            for plan in plans:
+                per_step, rows = _launches(plan, fa4)
+                grouped, grouped_rows = _launches(plan, fa4, 4)
+                groups = group_launches(plan, 4, in_place=in_place)
+                kinds |= {type(g).__name__ for g in groups}
+                assert grouped == len(plan_launches(plan)[0]) + sum(len(g.launches) for g in groups), plan.rank
+                assert sum(len(g.launches) > 1 for g in groups) == 0 or in_place, plan.rank
+                assert grouped <= per_step and grouped_rows <= rows, (plan.rank, grouped, per_step)
+                totals[0] += per_step
+                totals[1] += grouped
     assert totals[1] < totals[0], totals
+    assert kinds == {"InPlaceGroup", "StepGroup"}, kinds
 
 
 def settings_that_differ():
@@ -479,7 +612,11 @@ def test_group_launches_follow_the_gaps_setting(monkeypatch):
     with dtcp.config.override(varlen_gaps=False):
         off = _group_indices(plan, kernel, torch.device("cpu"), 2)
     assert on is not None and off is not None and on is not off
-    assert all(not li.q.gapped and not li.k.gapped for _, li in off if li is not None)
+    assert all(not li.q.gapped and not li.k.gapped for _, lis in off for li in lis)
+    with dtcp.config.override(varlen_gaps=True, ring_groups_in_place=False):  # ... and on the in-place setting
+        packed = _group_indices(plan, kernel, torch.device("cpu"), 2)
+    assert packed is not on and {type(g).__name__ for g, _ in packed} == {"StepGroup"}
+    assert "InPlaceGroup" in {type(g).__name__ for g, _ in on}
 
 
 @pytest.mark.parametrize("layout,docs,causal,n", GROUP_PLANS, ids=str)
@@ -494,10 +631,10 @@ def test_share_writes_give_the_summed_shares(layout, docs, causal, n):
     adds = 0
     for size in (2, 3, 8):
         for plan in ring_plans(layout, s // n, n, causal, mask):
-            for group in group_launches(plan, size) or ():
+            for group in group_launches(plan, size, in_place=False) or ():
                 if group.launch is None:
                     continue
-                span_lens = tuple(plan.steps[t].span_len for t in group.steps)
+                span_lens = tuple(plan.steps[t].direct_len for t in group.steps)
                 packed = torch.arange(1, group.packed_len + 1, dtype=torch.int64) * 1000
                 for j, (writes, zeros) in enumerate(share_writes(group, span_lens)):
                     want = torch.zeros(span_lens[j], dtype=torch.int64)
@@ -583,3 +720,40 @@ def test_grouped_ring_builds_its_landing_once_per_plan():
     assert any(r["direct"] for r in results), results
     for r in results:
         assert r["built"] == (1 if r["direct"] else 0), results
+
+
+@pytest.mark.parametrize("layout,docs", [(dtcp.Zigzag(), None), (dtcp.Balanced((33, 2, 1, 4, 9, 5, 2, 8), min_chunk=1),
+                                                                 (33, 2, 1, 4, 9, 5, 2, 8))], ids=str)
+def test_no_comm_groups_compute_what_the_ring_does(layout, docs, monkeypatch):
+    """With NoComm (the benchmarks' stand-in: every block is the rank's own), the ring in groups
+    of 3 computes out, lse and dQ as the ring does step by step (float64): its in-place groups
+    read the buffer NoComm keeps (`NoComm.stand_in`), made on the first pass and reused by the
+    next; a new plan gets its own."""
+    from dtcp.comm.p2p import NoComm
+    from dtcp.exec.grouped import _group_indices, grouped_backward, grouped_forward
+    from dtcp.exec.ring import ring_backward, ring_forward
+    from dtcp.kernels.math import MathKernel
+
+    monkeypatch.setattr(MathKernel, "varlen_one_launch", True)
+    n = 8
+    s = sum(docs) if docs else 64
+    mask = AttnMask.make(True, (-1, 0), segments_of(docs) if docs else None)
+    kernel = MathKernel()
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 4, s // n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, s // n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    in_place = 0
+    for plan in ring_plans(layout, s // n, n, True, mask):
+        comm = NoComm()
+        want_out, want_lse = ring_forward(q, k, v, plan, kernel, 0.3, NoComm())
+        want_dq = ring_backward(dout, q, k, v, want_out, want_lse, plan, kernel, 0.3, NoComm())[0]
+        for _ in range(2):
+            out, lse = grouped_forward(q, k, v, plan, kernel, 0.3, comm, size=3)
+            dq = grouped_backward(dout, q, k, v, out, lse, plan, kernel, 0.3, comm, size=3)[0]
+            for got, want in ((out, want_out), (lse, want_lse), (dq, want_dq)):
+                assert (got - want).abs().max() <= 1e-12 * want.abs().max(), plan.rank
+        groups = _group_indices(plan, kernel, q.device, 3)
+        made = sum(isinstance(g, InPlaceGroup) for g, _ in groups)
+        assert len(comm._stand_ins) == 2 * made, plan.rank  # (K and V of each in-place group, made once)
+        in_place += made
+    assert in_place > 0

@@ -111,7 +111,24 @@ def fit_views(slot: list[torch.Tensor], shapes: list[tuple]) -> list[torch.Tenso
 
 class NoComm:
     """Stand-in for RingComm that moves nothing: each step reuses the rank's own K/V (the
-    benchmarks' no-communication ideal)."""
+    benchmarks' no-communication ideal).
+
+    Where an executor reads received blocks from its own buffer (the ring's in-place groups,
+    exec/grouped.py), `stand_in(key, make, owner)` gives the buffer the receives would have filled: made
+    by `make()` on a key's first use and kept by this object, so the time a pass pays for it is
+    the transport's, which NoComm leaves out (as the ring's stand-in reads the rank's own block in
+    place). Its values are the rank's own keys, as every NoComm block's are. A benchmark keeps one
+    NoComm per simulated rank and plan."""
+
+    def __init__(self):
+        self._stand_ins: dict = {}
+
+    def stand_in(self, key, make, owner):
+        """The buffer for `key` of `owner` (a plan: held here, so its id names no other while kept)."""
+        hit = self._stand_ins.get(key)
+        if hit is None or hit[0] is not owner:
+            hit = self._stand_ins[key] = (owner, make())
+        return hit[1]
 
     @staticmethod
     def spare_buffers(like, kind, dtype=None):

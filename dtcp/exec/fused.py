@@ -88,22 +88,24 @@ def takes_gaps(kernel: Kernel) -> bool:
     return kernel.varlen_gaps and config.varlen_gaps
 
 
-def fused_steps(plan: RingPlan, kernel: Kernel, device: torch.device) -> Optional[tuple[tuple[LaunchIndex, ...], ...]]:
+def fused_steps(plan: RingPlan, kernel: Kernel, device: torch.device,
+                direct: bool = False) -> Optional[tuple[tuple[LaunchIndex, ...], ...]]:
     """Each step's launches for `kernel`, or None where the plan runs task by task: the kernel
     has no one-launch varlen form, the setting is off, fusing saves no launch, or the kernel
-    refuses a launch."""
+    refuses a launch. Keys count from the held span's start, or with `direct` from the direct
+    span's (Step.direct_span: what the ring in groups receives)."""
     if not fuses(kernel):
         return None
     gaps = takes_gaps(kernel)
-    key = (id(plan), kernel.name, device, gaps)
+    key = (id(plan), kernel.name, device, gaps, direct)
     hit = _FUSED.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
     steps = fused_launches(plan, kernel.reject_varlen_reason)
     fused = None
-    if steps is not None:  # keys counted from the held span's start, as the ring holds them
-        fused = tuple(tuple(_indexed(_from(launch, step.span[0]), device, gaps) for launch in launches)
-                      for step, launches in zip(plan.steps, steps))
+    if steps is not None:  # keys counted from the start of what is held
+        fused = tuple(tuple(_indexed(_from(launch, (step.direct_span if direct else step.span)[0]), device, gaps)
+                            for launch in launches) for step, launches in zip(plan.steps, steps))
     bounded_put(_FUSED, key, (plan, fused))
     return fused
 
@@ -537,7 +539,7 @@ def launch_backward(kernel: Kernel, dout_rows, q_rows, k_rows, v_rows, out_rows,
 
 def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchIndex, scale, softcap, b: int,
                      into_q=None, into_kv=None, later_q=(0, 0), dkv_acc=None, later_kv=(0, 0), dq_result=None,
-                     land_q: Optional[Landing] = None, dq_slot: Optional[torch.Tensor] = None):
+                     land_q: Optional[Landing] = None, dq_slot: Optional[torch.Tensor] = None, dkv_into=None):
     """One launch's backward on batch row b, its dQ landed: added into the accumulator's rows, or
     (`into_q`: the dQ result, which the pass's first launch writes) written there and its rows
     `later_q` seeded into the accumulator. `fixed_b`: (dout, q, out, dQ accumulator) rows of row b.
@@ -545,11 +547,14 @@ def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchI
     results) took them, their keys `later_kv` then seeded into `dkv_acc` ((B, Hkv, L, D) each).
     `land_q`: where it routes this launch's rows (Landing.of), its dQ is added into the
     accumulator or the dQ result (`dq_result`, (B, H, L, D)) by role (add_runs_). `dq_slot`:
-    where the launch's dQ rows are kept whole (Slots), summed at the end of the pass instead."""
+    where the launch's dQ rows are kept whole (Slots), summed at the end of the pass instead.
+    `dkv_into`: (dK, dV) rows shaped like the launch's keys to write them into (then None returns)."""
     dout_b, q_b, out_b, dq_b = fixed_b
     into = dict(dq=dq_slot if into_q is None else rows(into_q, b),
                 dk=None if into_kv is None else rows(into_kv[0], b),
                 dv=None if into_kv is None else rows(into_kv[1], b))
+    if dkv_into is not None:
+        into["dk"], into["dv"] = dkv_into
     dq_t, dk_t, dv_t = launch_backward(kernel, dout_b, q_b, k_rows, v_rows, out_b, lse_b, li, scale, softcap, **into)
     runs = None if land_q is None or into_q is not None else land_q.of(li)
     if dq_slot is not None:
@@ -560,6 +565,8 @@ def backward_launch_(kernel: Kernel, fixed_b, k_rows, v_rows, lse_b, li: LaunchI
         add_rows_(dq_b, li.q, dq_t)
     else:  # the rows later launches add to, in float32
         seed_later_(dq_b, dq_t, later_q)
+    if dkv_into is not None:
+        return None
     if into_kv is None:
         return dk_t, dv_t
     for acc, got in zip(dkv_acc, (dk_t, dv_t)):

@@ -521,10 +521,10 @@ def _launches(plan, kernel: Kernel, size: int = 1) -> tuple[int, int]:
         rows = sum(q_len for q_len, _ in plan.seq_lens)
         return (1 if kernel.varlen_one_launch else len(plan.seq_lens)), rows
     if isinstance(plan, RingPlan) and grouped(plan, kernel, size):  # the received blocks in groups (exec/grouped.py)
-        groups = group_launches(plan, size, kernel.reject_varlen_reason)
+        groups = group_launches(plan, size, kernel.reject_varlen_reason, config.ring_groups_in_place)
         if groups is not None:  # (as exec/grouped.py decides: else step by step)
             local = plan_launches(plan)[0]
-            launches = list(local) + [g.launch for g in groups if g.launch is not None]
+            launches = list(local) + [launch for g in groups for launch in g.launches]
             return len(launches), sum(launch.cu_q[-1] for launch in launches)
     if isinstance(plan, RingPlan) and fuses(kernel):
         fused = fused_launches(plan, kernel.reject_varlen_reason)
@@ -542,19 +542,21 @@ def _ring_traffic(plan: RingPlan, kernel: Kernel, size: int, local_len: int, kv_
                   elem_bytes: int) -> tuple[float, float]:
     """(accumulator bytes per query-row element (plan/fuse.py accumulator_traffic), bytes the
     groups copy) of one pass of one batch row's ring plan, as the executors run it with `size`
-    steps per launch: a group's keys and values packed into one buffer, forward and backward
-    (`kv_elems`: K/V heads x (D + Dv) per key). (0, 0) where the steps run task by task."""
+    steps per launch: a group's keys and values packed into one buffer, forward and backward (none
+    for a group read in place; `kv_elems`: K/V heads x (D + Dv) per key). (0, 0) where the steps
+    run task by task."""
     if not fuses(kernel):
         return 0.0, 0.0
     fused = fused_launches(plan, kernel.reject_varlen_reason)
     if fused is None:
         return 0.0, 0.0
     gaps = takes_gaps(kernel)
-    groups = group_launches(plan, size, kernel.reject_varlen_reason) if grouped(plan, kernel, size) else None
+    groups = group_launches(plan, size, kernel.reject_varlen_reason, config.ring_groups_in_place) \
+        if grouped(plan, kernel, size) else None
     if groups is None:
         return accumulator_traffic(fused, local_len, gaps), 0.0
-    steps = (fused[0],) + tuple((g.launch,) for g in groups if g.launch is not None)
-    packed = sum(g.packed_len for g in groups)
+    steps = (fused[0],) + tuple(g.launches for g in groups if g.launches)
+    packed = sum(g.packed_len for g in groups)  # (in place: none)
     return accumulator_traffic(steps, local_len, gaps), 2 * 2 * packed * kv_elems * elem_bytes
 
 

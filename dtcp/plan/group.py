@@ -17,8 +17,22 @@ packed buffer (`pieces`). A key two sequences share is packed twice (its dK/dV g
 Full sequences make the order of the runs free. Groups are refused (None) where a step has a
 launch that is not full: then the executor runs that rank's steps one by one on the same blocks.
 
+In place (`InPlaceGroup`, dtcp.config.ring_groups_in_place). The packing copies and the
+shares' copies and adds cost more than the launches save on the device (twenty-fourth session:
+0.5-0.9 ms a pass at N = 8, where the launches saved 4-9%). Where a group's sequences can be cut
+into at most MAX_IN_PLACE_LAUNCHES launches that each read one range of a buffer holding the
+group's blocks one after another, the blocks are received straight into that buffer and each
+launch reads its range as it is: no key is copied, and each launch writes its dK/dV into the same
+rows of a buffer of the same shape, whose slices go home as the steps' shares. Sequences of one
+step with the same keys and touching rows are one sequence, and so are sequences of the same rows
+whose keys touch (consecutive steps' blocks). A causal zigzag rank's group is then two launches:
+all its rows against the first halves of the lower ranks' blocks, its second half against the
+higher ranks' whole blocks. Where keys are shared or the sequences need more launches, the
+group is packed as above.
+
 What travels is the executor's (dtcp/exec/grouped.py): each step's block comes straight from its
-home rank, and its dK/dV share goes straight back, so a group's blocks can all be held at once.
+home rank (only the keys this rank uses, Step.direct_span), and its dK/dV share goes straight
+back, so a group's blocks can all be held at once. Keys here count from the direct span's start.
 Pure Python over the plan's integers.
 """
 
@@ -31,6 +45,12 @@ from typing import Optional
 from .fuse import Launch, plan_launches
 
 FULL = (-1, -1)
+
+#: an in-place group runs as at most this many launches (more: packed, one launch). A causal zigzag
+#: rank's group needs two (its rows overlap: all of them against the lower ranks' blocks, the
+#: second half against the higher ranks'); each launch adds FA4's per-launch costs (its backward's
+#: pre/post-processing, a merge).
+MAX_IN_PLACE_LAUNCHES = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,28 @@ class StepGroup:
     @property
     def packed_len(self) -> int:
         return sum(e - a for _, a, e in self.pieces)
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return () if self.launch is None else (self.launch,)
+
+
+@dataclass(frozen=True)
+class InPlaceGroup:
+    """The blocks of `steps` received one after another into one buffer of `length` keys (step
+    steps[j]'s direct span at rows offsets[j]..), and the `launches` that read it in place: keys
+    counted in the buffer; each launch's keys tile one range of it (its hull, a view), the
+    launches' hulls are disjoint (each writes its dK/dV into its own rows of a buffer of the same
+    shape), and a launch's query rows are disjoint and in order (plan/fuse.py Launch), window
+    full. `zeros`: the buffer's rows no launch reads, whose dK/dV shares are 0."""
+
+    steps: tuple[int, ...]
+    offsets: tuple[int, ...]
+    length: int
+    launches: tuple[Launch, ...]
+    zeros: tuple[tuple[int, int], ...]
+
+    packed_len = 0  # (nothing is copied into a packed buffer)
 
 
 @lru_cache(maxsize=1024)
@@ -117,9 +159,9 @@ def step_chunks(num_steps: int, size: int) -> tuple[tuple[int, ...], ...]:
 def group_launch(plan, steps: tuple[int, ...]) -> Optional[StepGroup]:
     """The group's one launch, or None where one of its steps has a launch that is not full."""
     per_step = plan_launches(plan)
-    entries = []  # (row start, row end, j, key start, key end): keys from the held span's start
+    entries = []  # (row start, row end, j, key start, key end): keys from the direct span's start
     for j, t in enumerate(steps):
-        origin = plan.steps[t].span[0]
+        origin = plan.steps[t].direct_span[0]
         for launch in per_step[t]:
             if launch.window != FULL:
                 return None
@@ -159,22 +201,84 @@ def _joined(runs):
     return out
 
 
-def group_launches(plan, size: int, refuse=None) -> Optional[tuple[StepGroup, ...]]:
-    """Every group's launch (step_chunks of `size`), or None where one of them cannot be one, or
-    where `refuse(seq_lens, window)` (a kernel's reject_varlen_reason) gives a reason for one (the
-    rank then runs its received blocks step by step)."""
-    groups = _group_launches(plan, size)
+def in_place_group(plan, steps: tuple[int, ...], most: int = MAX_IN_PLACE_LAUNCHES) -> Optional[InPlaceGroup]:
+    """The group's launches read in place (InPlaceGroup), or None where one of its steps has a
+    launch that is not full, two of its sequences share a key, or they need more than `most`
+    launches."""
+    per_step = plan_launches(plan)
+    offsets, seqs, length = [], [], 0
+    for t in steps:
+        step = plan.steps[t]
+        origin = step.direct_span[0]
+        offsets.append(length)
+        for launch in per_step[t]:
+            if launch.window != FULL:
+                return None
+            for (qa, qb), (ka, kb) in zip(launch.q_ranges, launch.k_ranges):
+                seqs.append((qa, qb, ka - origin + length, kb - origin + length))
+        length += step.direct_len
+    seqs = sorted(_coalesced(seqs), key=lambda s: (s[2], s[0]))
+    if any(a[3] > b[2] for a, b in zip(seqs, seqs[1:])):
+        return None  # a key in two sequences (its dK/dV would be written twice)
+    runs = []  # each launch's sequences: keys touching, rows after the last one's
+    for s in seqs:
+        if runs and runs[-1][-1][3] == s[2] and runs[-1][-1][1] <= s[0]:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    if len(runs) > most:
+        return None
+    zeros, at = [], 0
+    for run in runs:
+        if run[0][2] > at:
+            zeros.append((at, run[0][2]))
+        at = run[-1][3]
+    if at < length:
+        zeros.append((at, length))
+    launches = tuple(Launch(FULL, tuple((qa, qb) for qa, qb, _, _ in run), tuple((ka, kb) for _, _, ka, kb in run))
+                     for run in runs)
+    return InPlaceGroup(tuple(steps), tuple(offsets), length, launches, tuple(zeros))
+
+
+def _coalesced(seqs) -> list[tuple[int, int, int, int]]:
+    """Full sequences (row start, row end, key start, key end) joined where one is two: the same
+    keys and touching rows, or the same rows and touching keys (every pair visible either way),
+    until none joins."""
+    seqs = list(seqs)
+    while True:
+        before = len(seqs)
+        for join_keys in (False, True):  # rows of the same keys, then keys of the same rows
+            order = (lambda s: (s[0], s[1], s[2])) if join_keys else (lambda s: (s[2], s[3], s[0]))
+            out = []
+            for s in sorted(seqs, key=order):
+                if out and join_keys and out[-1][:2] == s[:2] and out[-1][3] == s[2]:
+                    out[-1] = (s[0], s[1], out[-1][2], s[3])
+                elif out and not join_keys and out[-1][2:] == s[2:] and out[-1][1] == s[0]:
+                    out[-1] = (out[-1][0], s[1], s[2], s[3])
+                else:
+                    out.append(s)
+            seqs = out
+        if len(seqs) == before:
+            return seqs
+
+
+def group_launches(plan, size: int, refuse=None, in_place: bool = True):
+    """Every group of `size` steps (step_chunks): an InPlaceGroup where one can be (and `in_place`),
+    else its one packed launch (StepGroup); None where a group can be neither, or where
+    `refuse(seq_lens, window)` (a kernel's reject_varlen_reason) gives a reason for one of the
+    launches (the rank then runs its received blocks step by step)."""
+    groups = _group_launches(plan, size, in_place)
     if groups is not None and refuse is not None and any(
-            g.launch is not None and refuse(g.launch.seq_lens, g.launch.window) is not None for g in groups):
+            refuse(launch.seq_lens, launch.window) is not None for g in groups for launch in g.launches):
         return None
     return groups
 
 
 @lru_cache(maxsize=256)
-def _group_launches(plan, size: int) -> Optional[tuple[StepGroup, ...]]:
+def _group_launches(plan, size: int, in_place: bool):
     groups = []
     for steps in step_chunks(len(plan.steps), size):
-        group = group_launch(plan, steps)
+        group = (in_place_group(plan, steps) if in_place else None) or group_launch(plan, steps)
         if group is None:
             return None
         groups.append(group)

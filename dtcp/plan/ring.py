@@ -43,10 +43,22 @@ class Step:
     # chain starts, and what comes home at its end). (0, 0): nothing.
     span: tuple[int, int] = (0, 0)
     home_span: tuple[int, int] = (0, 0)
+    # Where blocks come straight from their home rank (the ring in groups, exec/grouped.py), only
+    # what one holder uses travels: the hull of this step's own tasks' keys of src's block, and
+    # the hull of the keys of this rank's block that the rank holding it at the same step uses
+    # (every rank's step t is the same offset, so that rank receives this rank's block then).
+    # Tighter than the chain's spans, which hold what every later holder needs: under a causal
+    # zigzag mask a rank uses the first half of each lower rank's block.
+    direct_span: tuple[int, int] = (0, 0)
+    direct_home_span: tuple[int, int] = (0, 0)
 
     @property
     def span_len(self) -> int:
         return self.span[1] - self.span[0]
+
+    @property
+    def direct_len(self) -> int:
+        return self.direct_span[1] - self.direct_span[0]
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,12 @@ class RingPlan:
         """The most keys of a block this rank receives in one round, K/V or dK/dV coming home
         (0: none)."""
         return max((max(s.span_len, s.home_span[1] - s.home_span[0]) for s in self.steps[1:]), default=0)
+
+    @cached_property
+    def max_direct_len(self) -> int:
+        """max_span_len of the direct transfers (Step.direct_span, direct_home_span)."""
+        return max((max(s.direct_len, s.direct_home_span[1] - s.direct_home_span[0]) for s in self.steps[1:]),
+                   default=0)
 
     @cached_property
     def chain_ends(self) -> tuple[int, ...]:
@@ -99,6 +117,11 @@ class RingPlan:
         """The hull of this rank's own keys other ranks use (every received step's home span):
         in groups (exec/grouped.py) each step's dK/dV share of them comes home."""
         return _hull(s.home_span for s in self.steps[1:])
+
+    @cached_property
+    def direct_used_keys(self) -> tuple[int, int]:
+        """used_keys of the direct transfers: the hull of every received step's direct home span."""
+        return _hull(s.direct_home_span for s in self.steps[1:])
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -190,9 +213,13 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
     (left, right), spans = min(candidates, key=lambda c: round_keys(*c))
     offsets = [(d, 1) for d in range(1, left + 1)] + [(-d, -1) for d in range(1, right + 1)]
 
+    def used(rank: int, d: int) -> tuple[int, int]:  # the keys of block rank - d that rank's tasks use
+        return _hull((t.k_start, t.k_end) for t in table[rank, d % n])
+
     def steps_of(r: int) -> tuple[Step, ...]:
-        own = Step(r, table[r, 0], 0, (0, local_len), (0, local_len))
-        return (own,) + tuple(Step((r - d) % n, table[r, d % n], shift, spans[(r - d) % n, shift], spans[r, shift])
+        own = Step(r, table[r, 0], 0, (0, local_len), (0, local_len), (0, local_len), (0, local_len))
+        return (own,) + tuple(Step((r - d) % n, table[r, d % n], shift, spans[(r - d) % n, shift], spans[r, shift],
+                                   used(r, d), used((r + d) % n, d))
                               for d, shift in offsets)
 
     return tuple(RingPlan(n, r, local_len, steps_of(r)) for r in range(n))

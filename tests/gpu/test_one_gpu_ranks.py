@@ -112,6 +112,40 @@ def test_ring_bf16_slots_and_launch_by_launch(backend, name, make_layout, docs, 
         assert kept, name
 
 
+GROUP_CASES = [c for c in CASES if c[0] in ("causal zigzag", "documents zigzag", "documents balanced",
+                                             "documents balanced 2")]  # (each has two rounds or more)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "packed"])
+@pytest.mark.parametrize("backend", ["fa4", "flash"])
+@pytest.mark.parametrize("n,size", [(4, 3), (8, 7), (8, 3)])
+@pytest.mark.parametrize("name,make_layout,docs,window", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
+def test_grouped_ring_bf16_within_the_kernels_own_error(backend, n, size, name, make_layout, docs, window,
+                                                        in_place, monkeypatch):
+    """The ring in groups of `size` (exec/grouped.py), each group's blocks received straight into
+    one buffer: read in place by at most two launches (their dK/dV written into a buffer of the same
+    shape, whose slices go home in float32), or packed into one launch. Within the kernel's own
+    error; counts the groups that ran in place (some on causal zigzag, where every group is in
+    place; none when packing is asked for)."""
+    import dtcp.exec.grouped as grouped_mod
+    kinds = []  # the groups the executor ran, by kind
+    indices = grouped_mod._group_indices
+
+    def counted(*a, **k):
+        got = indices(*a, **k)
+        kinds.extend(type(g).__name__ for g, _ in got or ())
+        return got
+
+    monkeypatch.setattr(grouped_mod, "_group_indices", counted)
+    with dtcp.config.override(ring_steps_per_launch=size, ring_groups_in_place=in_place):
+        within_the_kernels_own_error(simulated_ring, backend, n, name, make_layout, docs, window)
+    assert kinds, "no ring call ran in groups"
+    if not in_place:
+        assert "InPlaceGroup" not in kinds, kinds
+    elif name == "causal zigzag":
+        assert set(kinds) == {"InPlaceGroup"}, kinds
+
+
 DOC_CASES = [c for c in CASES if c[2] is not None]
 
 
