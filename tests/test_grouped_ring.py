@@ -459,6 +459,33 @@ def test_the_cost_model_counts_the_group_launches():
     assert kinds == {"InPlaceGroup", "StepGroup"}, kinds
 
 
+def test_the_cost_model_moves_the_direct_spans_in_groups():
+    """In groups each block comes with only the keys its receiver uses: the cost model's keys a
+    round (CallShape.ring_kv_len) at size 7 are the widest direct span of each round, averaged,
+    where the ring at size 1 moves the chains' spans (what every later holder needs). Fewer on
+    packed documents; on causal zigzag each round's widest is a whole block either way."""
+    from dtcp.exec.route import _ring_launch_fields
+    from dtcp.kernels import KERNELS
+
+    docs, n = (33, 2, 1, 4, 9, 5, 2, 8), 8
+    fa4 = KERNELS["fa4"]
+    got = {}
+    for layout in (dtcp.Balanced(docs, min_chunk=1), dtcp.Zigzag()):
+        plans = ring_plans(layout, sum(docs) // n, n, True, AttnMask.make(True, (-1, 0), segments_of(docs)))
+        q, k = (torch.empty(1, h, sum(docs) // n, 8) for h in (4, 2))
+        ring = _ring_launch_fields(plans, fa4, 1, q, k, k)["ring_kv_len"]
+        groups = _ring_launch_fields(plans, fa4, 7, q, k, k)["ring_kv_len"]
+        rounds = range(1, plans[0].num_rounds + 1)
+        assert ring == sum(max(p.steps[t].span_len for p in plans) for t in rounds) / len(rounds)
+        assert groups == sum(max(p.steps[t].direct_len for p in plans) for t in rounds) / len(rounds)
+        got[type(layout).__name__] = (groups, ring)
+    assert all(groups < ring for groups, ring in got.values()), got
+    plans = ring_plans(dtcp.Zigzag(), 64, n, True, AttnMask.make(True))
+    q, k = (torch.empty(1, h, 64, 8) for h in (4, 2))
+    assert _ring_launch_fields(plans, fa4, 7, q, k, k)["ring_kv_len"] == 64 == \
+        _ring_launch_fields(plans, fa4, 1, q, k, k)["ring_kv_len"]
+
+
 def settings_that_differ():
     """Rank 0 asks for groups, the others not: every rank raises at once, naming the setting."""
     import time

@@ -470,13 +470,14 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
 
     ring_pairs, total_pairs = per_row(ring_plans)
     rounds = ring_plans(problem.layout, local_len, n, args.is_causal, masks[rows[0]])[0].num_rounds
-    ring_kv_len = _keys_per_round(ring_plans, problem.layout, local_len, n, args.is_causal, [masks[seg] for seg in rows])
+    if "ring_kv_len" not in ring_fields:  # (the ring's fields give it where the ring is a candidate)
+        ring_fields = dict(ring_fields, ring_kv_len=_keys_per_round(ring_plans, problem.layout, local_len, n,
+                                                                    args.is_causal, [masks[seg] for seg in rows]))
     ag_pairs = per_row(allgather_plans)[0] if "allgather" in allowed else ring_pairs
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
-                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, ring_kv_len=ring_kv_len,
-                      **ring_fields, allgather_pairs=ag_pairs,
-                      allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
+                      backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, **ring_fields,
+                      allgather_pairs=ag_pairs, allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
                       **_objective_fields())
     return shape, allowed
@@ -563,15 +564,23 @@ def _ring_traffic(plan: RingPlan, kernel: Kernel, size: int, local_len: int, kv_
 def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
     """CallShape's ring_calls (the rank that launches most), ring_q_block (query rows per launch
     of the rank with the most pairs), ring_acc_bytes and ring_copy_bytes (the rank that moves
-    most, per batch row) of every rank's plans run at `size` steps per launch."""
+    most, per batch row) and ring_kv_len (keys a round moves) of every rank's plans run at `size`
+    steps per launch."""
     batch, local_len = q.shape[0], q.shape[2]
     work = [_launches(plan, kernel, size) for plan in plans]
+    per_rank = [_row_plans(plan, batch) for plan in plans]
+    # keys a round moves (the widest any rank receives, averaged over rounds and rows): in groups
+    # each block comes from its home rank with only the keys its receiver uses (Step.direct_span)
+    direct = grouped(per_rank[0][0], kernel, size)
+    widths = [max((rows[b].steps[t].direct_len if direct else rows[b].steps[t].span_len) for rows in per_rank)
+              for b in range(batch) for t in range(1, per_rank[0][b].num_rounds + 1)]
     pairs = [plan_pairs(_plan_tasks(plan)) for plan in plans]
     top = max(range(len(plans)), key=lambda r: pairs[r])
     kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
     traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in _row_plans(plan, batch)]
                for plan in plans]
     return dict(ring_steps_per_launch=size, ring_calls=max(count for count, _ in work),
+                ring_kv_len=sum(widths) / len(widths) if widths else float(local_len),
                 ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
                 ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
                 ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)
@@ -623,12 +632,10 @@ def _ring_choice_of(plans, kernel: Kernel, q, k, v, n: int) -> tuple[int, dict]:
         return 1, _ring_launch_fields(plans, kernel, 1, q, k, v)
     machine = machine_for(config.cost_machine)
     pairs = max(sum(plan_pairs(p.tasks) for p in rows) for rows in per_rank) / batch
-    widths = [max(rows[b].steps[t].span_len for rows in per_rank) for b in range(batch)
-              for t in range(1, row_rounds[b] + 1)]
     base = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                      v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
-                     ring_pairs=pairs, ring_rounds=rounds, ring_kv_len=sum(widths) / len(widths),
-                     kernels=(("ring", kernel.name),), **_objective_fields())
+                     ring_pairs=pairs, ring_rounds=rounds, kernels=(("ring", kernel.name),),
+                     **_objective_fields())  # (each size's fields add its launches, copies and keys a round)
     fields = {size: _ring_launch_fields(plans, kernel, size, q, k, v) for size in sorted({1, min(4, rounds), rounds})}
     predicted = {size: predict("ring", replace(base, **f), machine).total_s for size, f in fields.items()}
     best = min(sorted(predicted), key=lambda size: predicted[size])  # (ties: the smaller size)
