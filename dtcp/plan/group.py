@@ -1,4 +1,4 @@
-"""Ring steps in groups: the blocks of G consecutive steps as one launch
+"""Ring steps in groups: the blocks of G consecutive steps as one or two launches
 (`dtcp.config.ring_steps_per_launch` = G > 1).
 
 Why. A ring rank splits its work over the steps: at N ranks each step's launch holds about 1/N
