@@ -48,7 +48,7 @@ from .fused import (_indexed, add_rows_, backward_launch_, direct_results, fills
                     finish_results, fused_steps, fuses, gradient_results, landing, launch_forward, merge_launch_,
                     rows, seed_later_, takes_gaps)
 from .merge import apply_sink_, merge_into_
-from .ring import _rows
+from .ring import _rows, _task_keys
 
 
 def grouped(plan: RingPlan, kernel: Kernel, size: int) -> bool:
@@ -190,11 +190,6 @@ def _sites(fused, groups) -> tuple:
     return (fused[0],) + tuple(lis for _, lis in groups if lis)
 
 
-def _task_keys(task, step) -> tuple:
-    """A task's keys as a slice of the step's direct span (what the groups receive)."""
-    return seq_slice(task.k_start - step.direct_span[0], task.k_end - step.direct_span[0])
-
-
 def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None, *, size: int):
     """As exec/ring.py ring_forward (same arguments and results), the received blocks in groups of
     `size` steps."""
@@ -244,7 +239,7 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
                     merge_launch_(out_rows[b], lse_acc[b], li, o, l, *landed(b, li))
             return
         for task in step.tasks:
-            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
+            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step, direct=True)
             o, l = kernel.forward(q[qs], block[0][ks], block[1][ks], task.lo, task.hi, scale, softcap=softcap)
             merge_into_(out_acc[qs], lse_acc[qs], o, l)
 
@@ -328,7 +323,7 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
                         add_rows_(rows(acc, b), li.k, got)
             return
         for task in step.tasks:
-            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step)
+            qs, ks = seq_slice(task.q_start, task.q_end), _task_keys(task, step, direct=True)
             dq_t, dk_t, dv_t = kernel.backward(dout[qs], q[qs], block[0][ks], block[1][ks], out[qs], lse[qs],
                                                task.lo, task.hi, scale, softcap=softcap)
             dq_acc[qs].add_(dq_t)

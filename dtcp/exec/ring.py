@@ -79,9 +79,11 @@ def _slot_like(pair, plan: RingPlan) -> list[torch.Tensor]:
     return [t[:, :, :n] if t.shape[2] >= n else t.new_empty(t.shape[:2] + (n,) + t.shape[3:]) for t in pair]
 
 
-def _task_keys(task, step) -> slice:
-    """The task's keys as a slice of the held span."""
-    return seq_slice(task.k_start - step.span[0], task.k_end - step.span[0])
+def _task_keys(task, step, direct: bool = False) -> tuple:
+    """The task's keys as a slice of the held span (`direct`: of the direct span, what the ring
+    in groups receives, exec/grouped.py)."""
+    origin = (step.direct_span if direct else step.span)[0]
+    return seq_slice(task.k_start - origin, task.k_end - origin)
 
 
 def ring_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, sink=None):
