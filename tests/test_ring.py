@@ -104,12 +104,14 @@ def test_ring_exact_world8(layout):
         assert worst(results, key) < 1e-10, (key, [r[key] for r in results])
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["zigzag", "striped:1"])
-def test_ring_low_precision_cpu_flash(dtype_name, layout):
+def test_ring_low_precision_cpu_flash(dtype_name, layout, world_size):
     """Low precision: the ring's error against float64 stays within 1.5x the kernel's own error
-    (the same kernel over the whole sequence on one process), for out, lse, dq, dk and dv."""
-    results = run_ranks(4, ring_errors, layout, True, 1, 8, 2, 256, 32, dtype_name, "cpu_flash")
+    (the same kernel over the whole sequence on one process), for out, lse, dq, dk and dv. (On 2
+    ranks the dK/dV go home in bf16 after their one hop: plan/ring.py Step.one_share.)"""
+    results = run_ranks(world_size, ring_errors, layout, True, 1, 8, 2, 256, 32, dtype_name, "cpu_flash")
     for key in ("out", "lse", "dq", "dk", "dv"):
         ratios = [r[key] / r["kernel"][key] for r in results]
         assert max(ratios) <= 1.5, (key, ratios)

@@ -26,7 +26,10 @@ Backward: dQ accumulates locally, and so does the share of a rank's own block. F
 blocks a dK/dV accumulator (float32) starts at the first holder of a chain and travels with the
 block one step behind its K/V: a rank adds its share after computing and passes it on. At the end
 of a chain the accumulator is sent home, so each rank ends with the gradients of its own K/V. The
-backward sends exactly as many dK/dV blocks as K/V blocks.
+backward sends exactly as many dK/dV blocks as K/V blocks. A chain of one hop whose holder takes
+each key once (plan/ring.py Step.one_share: every ring of 2 ranks) holds one kernel share per key:
+its accumulator is kept and sent home in the kernel's gradient dtype (bf16 under bf16: half the
+bytes, the same values) and added in float32 at home.
 
 Buffers: the caller's K/V are sent as they are and never written; two spare K/V buffers and two
 dK/dV buffers, sized for the largest span received, alternate (copy-engine slots reused across
@@ -240,11 +243,13 @@ def _fitter(comm):
     repeat every other step (one slot, one span length), and making them is host time."""
     fitted: dict = {}
 
-    def fit(slots, i: int, shapes, kind: str):
-        key = (kind, i, tuple(shapes))
+    def fit(slots, i: int, shapes, kind: str, dtype=None):
+        key = (kind, i, tuple(shapes), dtype)
         views = fitted.get(key)
         if views is None:
-            views = fitted[key] = comm.fit(slots[i], shapes, kind)
+            # (`dtype`: the slot's bytes read as another dtype, e.g. bf16 in a float32 slot)
+            slot = slots[i] if dtype is None else [t.view(dtype) for t in slots[i]]
+            views = fitted[key] = comm.fit(slot, shapes, kind)
         return views
     return fit
 
@@ -314,9 +319,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         dq_slots = torch.empty((q.shape[0], slots.rows) + q.shape[1:2] + q.shape[3:], dtype=dq_kept, device=q.device)
     dkv_bufs = comm.spare_buffers(_slot_like(local, plan), "grad", acc) if rounds else []
     dkv_works = fixed_rows = None
+    # A chain of one hop (Step.one_share) sends home one kernel share per key: in the dtype the
+    # kernel returned it in, half the bytes of float32 under bf16 (the same values).
+    share_dtype = kernel.grad_dtype(q.dtype)
+    share_dtype = None if share_dtype.itemsize >= acc.itemsize else share_dtype
 
-    def grad_slot(i: int, span_len: int) -> list[torch.Tensor]:
-        return fit(dkv_bufs, i, _shapes(local, span_len), "grad")
+    def grad_slot(i: int, span_len: int, one_share: bool = False) -> list[torch.Tensor]:
+        return fit(dkv_bufs, i, _shapes(local, span_len), "grad", share_dtype if one_share else None)
 
     for t, step in enumerate(plan.steps):
         kv_works = None
@@ -376,7 +385,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         if t == 0:
             travelling = own_dkv  # the own block's gradients never leave
         else:
-            travelling = grad_slot(t % 2, step.span_len)  # the held span's dK/dV accumulator
+            travelling = grad_slot(t % 2, step.span_len, step.one_share)  # the held span's dK/dV accumulator
             # (NoComm stands in for a received accumulator with whatever its slot holds: the
             # benchmarks time what a ring rank does, which fills only where a chain starts.)
             if plan.starts_chain(t):
@@ -412,7 +421,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
                 # End of a chain: send it to the block's owner and take in ours (our block's span
                 # in this chain). The other dK/dV slot is free here (its last send was waited on
                 # in this step).
-                returned = grad_slot((t + 1) % 2, step.home_span[1] - step.home_span[0])
+                returned = grad_slot((t + 1) % 2, step.home_span[1] - step.home_span[0], step.one_share)
                 # (src - rank is the same for every rank modulo N, so all take the same path.)
                 comm.wait(comm.exchange(list(travelling), returned, step.src - plan.rank, "grad", (t + 1) % 2))
                 for mine, back in zip(own_dkv, returned):

@@ -564,8 +564,8 @@ def _ring_traffic(plan: RingPlan, kernel: Kernel, size: int, local_len: int, kv_
 def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
     """CallShape's ring_calls (the rank that launches most), ring_q_block (query rows per launch
     of the rank with the most pairs), ring_acc_bytes and ring_copy_bytes (the rank that moves
-    most, per batch row) and ring_kv_len (keys a round moves) of every rank's plans run at `size`
-    steps per launch."""
+    most, per batch row), ring_kv_len (keys a round moves) and ring_dkv_bytes of every rank's
+    plans run at `size` steps per launch."""
     batch, local_len = q.shape[0], q.shape[2]
     work = [_launches(plan, kernel, size) for plan in plans]
     per_rank = [_row_plans(plan, batch) for plan in plans]
@@ -579,8 +579,14 @@ def _ring_launch_fields(plans, kernel: Kernel, size: int, q, k, v) -> dict:
     kv_elems = k.shape[1] * (k.shape[3] + v.shape[3])
     traffic = [[_ring_traffic(p, kernel, size, local_len, kv_elems, q.element_size()) for p in _row_plans(plan, batch)]
                for plan in plans]
+    # dK/dV going home: float32, or the kernel's gradient dtype where every chain is one hop of
+    # one share per key (Step.one_share; step by step only)
+    one_share = not direct and all(rows[b].steps[t].one_share for rows in per_rank for b in range(batch)
+                                   for t in rows[b].chain_ends)
+    dkv_bytes = min(4, kernel.grad_dtype(q.dtype).itemsize) if one_share else 4
     return dict(ring_steps_per_launch=size, ring_calls=max(count for count, _ in work),
                 ring_kv_len=sum(widths) / len(widths) if widths else float(local_len),
+                ring_dkv_bytes=dkv_bytes,
                 ring_q_block=max(1, int(work[top][1] / max(1, work[top][0]))),
                 ring_acc_bytes=max(sum(a for a, _ in t) for t in traffic) / batch,
                 ring_copy_bytes=max(sum(c for _, c in t) for t in traffic) / batch)

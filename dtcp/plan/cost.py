@@ -153,6 +153,9 @@ class CallShape:
     # row of the rank that copies most: each group's K/V packed into one buffer, forward and
     # backward, and its dK/dV shares (0 for the ring step by step)
     ring_copy_bytes: float = 0
+    # bytes per element of the dK/dV that go home: float32, or the kernel's gradient dtype where
+    # every chain is one hop of one share per key (plan/ring.py Step.one_share)
+    ring_dkv_bytes: int = 4
     ring_steps_per_launch: int = 1  # received blocks per launch (exec/grouped.py; 1: step by step)
     # The host runs ahead of the device (dtcp.config.cost_objective = "device": a training step whose
     # other layers keep the GPU busy): host time per launch and per call is hidden, the device's counts
@@ -286,7 +289,7 @@ def _ring(machine: Machine, shape: CallShape, kv_heads: int, kv_len: float, head
     c_f, c_b = per_step * fwd_share, per_step * (1 - fwd_share)
     # Backward: round i brings a K/V block (as in the forward) while the float32 dK/dV of the
     # block before travel back to their owner; the last block's dK/dV return after the last step.
-    t_dkv = machine.latency_s + kv * 4 / machine.p2p_bytes_per_s
+    t_dkv = machine.latency_s + kv * shape.ring_dkv_bytes / machine.p2p_bytes_per_s
     total = c_f + rounds * max(c_f, t_fwd) + c_b
     if rounds:
         total += max(c_b, t_fwd) + (rounds - 1) * max(c_b, t_fwd + t_dkv) + t_dkv

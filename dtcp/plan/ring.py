@@ -51,6 +51,12 @@ class Step:
     # zigzag mask a rank uses the first half of each lower rank's block.
     direct_span: tuple[int, int] = (0, 0)
     direct_home_span: tuple[int, int] = (0, 0)
+    # A chain of one holder (its block goes one rank on and its dK/dV come straight home) whose
+    # holder's tasks, on every rank, touch each key of the block at most once: what goes home
+    # is one kernel share per key, so it travels in the kernel's gradient dtype as the kernel
+    # returned it (bf16 instead of float32 under bf16: half the bytes, the same values), and is
+    # added in float32 at home. The same on every rank's step t (sender and receiver agree).
+    one_share: bool = False
 
     @property
     def span_len(self) -> int:
@@ -216,10 +222,16 @@ def ring_plans(layout: Layout, local_len: int, world_size: int, is_causal: bool,
     def used(rank: int, d: int) -> tuple[int, int]:  # the keys of block rank - d that rank's tasks use
         return _hull((t.k_start, t.k_end) for t in table[rank, d % n])
 
+    # A chain of one hop whose every holder's tasks take each key of the block at most once
+    # (Step.one_share): decided over all ranks, so the two ends of every return agree.
+    one_share = {d: (left if d > 0 else right) == 1 and
+                 all(_disjoint([(t.k_start, t.k_end) for t in table[r, d % n]]) for r in range(n))
+                 for d, _ in offsets}
+
     def steps_of(r: int) -> tuple[Step, ...]:
         own = Step(r, table[r, 0], 0, (0, local_len), (0, local_len), (0, local_len), (0, local_len))
         return (own,) + tuple(Step((r - d) % n, table[r, d % n], shift, spans[(r - d) % n, shift], spans[r, shift],
-                                   used(r, d), used((r + d) % n, d))
+                                   used(r, d), used((r + d) % n, d), one_share[d])
                               for d, shift in offsets)
 
     return tuple(RingPlan(n, r, local_len, steps_of(r)) for r in range(n))
