@@ -308,10 +308,13 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     ("strategies_2xh200_2026-11-28.json", None, 3, 3),
     ("strategies_4xh200_2026-11-28b.json", None, 3, 3),
     ("strategies_2xh200_2026-11-28b.json", None, 3, 3),
+    # 2x H200 (twenty-eighth session, 44d2b5b; causal and the three document mixes at 32K and 128K,
+    # 32/8 heads): the ring taken at every point; at 32K on Pareto the all-gather was 6.4% faster
+    ("strategies_2xh200_2026-11-29.json", None, 8, 7),
 ])
 def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
-    on measured runs with the real transfers (2x and 4x H100 and H200, FA4, 2026-11-26 to 28), for the
+    on measured runs with the real transfers (2x and 4x H100 and H200, FA4, 2026-11-26 to 29), for the
     points whose layout this checkout still places as it was measured (bench_strategies'
     `placed_as_measured`: since the twenty-third session most Balanced points are placed
     otherwise, and runs "c" and "d" of the 2x H100, packed documents on Balanced at 32K, 64K and
