@@ -135,3 +135,54 @@ def test_the_cost_model_moves_one_hop_returns_in_the_kernels_dtype():
         k = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16, device="meta")
         assert _ring_launch_fields(plans, flash, 1, q, k, k)["ring_dkv_bytes"] == want
         assert _ring_launch_fields(plans, KERNELS["math"], 1, q, k, k)["ring_dkv_bytes"] == 4
+
+
+def compiled_one_hop_returns(steps: int = 3):
+    """On each of 2 gloo ranks: ring_attention in bf16 with cpu_flash (its gradients come back in
+    bf16), eager and under torch.compile(fullgraph=True, aot_eager), a new batch every step; the
+    dK/dV bytes each pass sends home, against the bf16 size of the span the plan returns."""
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from dtcp.comm.stats import STATS
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank, layout, (b, hq, hkv, local_len, d) = dist.get_rank(), dtcp.Zigzag(), (1, 4, 2, 64, 16)
+
+    def attend(q, k, v):
+        return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, backend="cpu_flash",
+                                   strategy="ring")
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    plan = ring_plans(layout, local_len, 2, True)[rank]
+    want_bytes = sum(2 * b * hkv * plan.steps[t].span_len * d * 2 for t in plan.chain_ends)
+    same, sent = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        leaves = [torch.randn(b, h, local_len, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv)]
+        dout = torch.randn(b, hq, local_len, d, generator=g).to(torch.bfloat16)
+        results = []
+        for fn in (attend, compiled):
+            x = [t.clone().requires_grad_() for t in leaves]
+            STATS.reset()
+            out = fn(*x)
+            out.backward(dout)
+            sent.append(STATS.grad_bytes_sent)
+            results.append([out.detach()] + [t.grad for t in x])
+        same.append(all(torch.equal(a, c) for a, c in zip(*results)))
+    return {"same": same, "sent": sent, "want_bytes": want_bytes, "frames": counter.frame_count,
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_compiled_one_hop_returns_match_eager():
+    """fullgraph, aot_eager, 2 ranks: 0 graph breaks, one frame over 3 batches, out/dq/dk/dv bit
+    for bit as eager, and every pass sends its dK/dV home in bf16 (half of float32's bytes)."""
+    from dist_harness import run_ranks
+
+    for r in run_ranks(2, compiled_one_hop_returns, timeout=300):
+        assert r["graph_breaks"] == 0 and r["frames"] == 1, r
+        assert all(r["same"]), r
+        assert r["want_bytes"] > 0 and r["sent"] == [r["want_bytes"]] * len(r["sent"]), r
