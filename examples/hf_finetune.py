@@ -155,7 +155,8 @@ def main():
             print(line, flush=True)
     if args.check:
         # transformers computes its loss in float32 (it casts the logits), whatever the model's dtype
-        tol = {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 3e-2)
+        # (bf16: 1e-3, as examples/train_llama.py; measured 1.8e-6 to 6.0e-6 on 2 H100s and 2 H200s)
+        tol = {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-3)
         if rank == 0:
             print(f"check: worst relative loss difference {worst:.2e} (tolerance {tol:g} for {dtype})", flush=True)
         if worst > tol:

@@ -114,7 +114,8 @@ def main():
         ref = reference_losses(dp)
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         # Trainer logs through a float32 accumulator, and HF's own loss casts the logits to float32
-        tol = 1e-6 if dtype in (torch.float64, torch.float32) else 3e-2
+        # (bf16: 1e-3, as examples/train_llama.py; measured 2.3e-5 on 2 H200s)
+        tol = 1e-6 if dtype in (torch.float64, torch.float32) else 1e-3
         print(f"without CP, one process: losses {[round(x, 6) for x in ref]}", flush=True)
         print(f"check: worst relative loss difference {worst:.2e} (tolerance {tol:g})", flush=True)
         if worst > tol or len(ref) != len(losses):
