@@ -66,6 +66,8 @@ def test_one_share_marks_one_hop_chains_of_one_share_per_key(case):
 class _Bf16GradsMath(MathKernel):
     """The math kernel returning its gradients in the inputs' dtype, as FA4, flash and cuDNN do."""
 
+    name = "test_bf16_grads"
+
     def grad_dtype(self, dtype):
         return dtype
 
@@ -186,3 +188,58 @@ def test_compiled_one_hop_returns_match_eager():
         assert r["graph_breaks"] == 0 and r["frames"] == 1, r
         assert all(r["same"]), r
         assert r["want_bytes"] > 0 and r["sent"] == [r["want_bytes"]] * len(r["sent"]), r
+
+
+class _SameValuesInFloat32(_Bf16GradsMath):
+    """_Bf16GradsMath's gradients, the same values held in float32: its shares travel in float32."""
+
+    name = "test_float32_grads"
+
+    def grad_dtype(self, dtype):
+        return torch.float32
+
+    def backward(self, *args, **kwargs):
+        return tuple(g.float() for g in super().backward(*args, **kwargs))
+
+
+def through_the_route(strategy: str):
+    """On each rank: dtcp.ring_attention in bf16 (zigzag, causal, GQA) through the route, with the
+    bf16-gradient kernel and with its float32 twin; the results and the dK/dV bytes sent."""
+    import torch.distributed as dist
+    from dtcp.comm.stats import STATS
+    from dtcp.kernels import KERNELS
+
+    group = None
+    if strategy == "hybrid":
+        from dist_harness import _hybrid_groups
+        group = _hybrid_groups(True)
+    layout, n, s = dtcp.Zigzag(), dist.get_world_size(), 128
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(2, h, s, 16, generator=g).to(torch.bfloat16) for h in (4, 2, 2, 4)]
+    local = [layout.shard(t, group, dim=2) for t in full]
+    runs = {}
+    for name, kernel in (("test_bf16_grads", _Bf16GradsMath()), ("test_float32_grads", _SameValuesInFloat32())):
+        KERNELS[name] = kernel
+        x = [t.clone().requires_grad_() for t in local[:3]]
+        STATS.reset()
+        out = dtcp.ring_attention(*x, group, layout=layout, is_causal=True, enable_gqa=True, backend=name,
+                                  strategy=strategy)
+        out.backward(local[3])
+        runs[name] = ([out.detach()] + [t.grad for t in x], STATS.grad_bytes_sent, STATS.grad_rounds)
+    (a, bytes_a, rounds_a), (b, bytes_b, rounds_b) = runs.values()
+    return {"same": [torch.equal(x, y) for x, y in zip(a, b)], "bytes": (bytes_a, bytes_b),
+            "rounds": (rounds_a, rounds_b)}
+
+
+@pytest.mark.parametrize("strategy,world", [("ring", 2), ("hybrid", 4)])
+def test_one_hop_returns_through_the_route(strategy, world):
+    """Through dtcp.ring_attention on gloo ranks: the ring of 2 ranks, and hybrid on a 2x2 mesh
+    (Ulysses inside pairs, a ring of 2 across them): a kernel returning bf16 gradients sends its
+    one-hop dK/dV home in bf16, half the bytes of its twin that returns the same values in
+    float32, and every result is bit for bit the twin's."""
+    from dist_harness import run_ranks
+
+    for r in run_ranks(world, through_the_route, strategy, timeout=300):
+        assert all(r["same"]), r
+        (bf16, float32), (rounds, rounds_float32) = r["bytes"], r["rounds"]
+        assert rounds == rounds_float32 >= 1 and bf16 > 0 and 2 * bf16 == float32, r
