@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dtcp
-from dist_harness import run_ranks
+from dist_harness import run_in_fresh_pool, run_ranks
 from dtcp.kernels import KERNELS
 from faults import FailingKernel
 from reference import reference_attention, rel_err
@@ -146,7 +146,9 @@ def test_one_rank_fails_mid_ring(world_size, failing_rank, at):
     """The failing rank raises its own error; every other rank raises PeerFailedError or
     PeerTimeoutError within the timeout (plus slack for a chain of waits); later calls on the group
     raise GroupFailedError at once; the default group is untouched."""
-    results = run_ranks(world_size, one_rank_fails_mid_ring, failing_rank, at, timeout=120)
+    # (a pool of its own: after a failure mid-ring a surviving rank's gloo loop thread can keep
+    # spinning on a core for as long as the process lives, which would slow every later test)
+    results = run_in_fresh_pool(world_size, one_rank_fails_mid_ring, failing_rank, at, timeout=120)
     for rank, r in enumerate(results):
         kind, message, seconds = r["first"]
         if rank == failing_rank:
@@ -193,7 +195,7 @@ def cached_route_against_a_new_one():
 
 
 def test_cached_route_against_a_new_one():
-    for r in run_ranks(2, cached_route_against_a_new_one, timeout=120):
+    for r in run_in_fresh_pool(2, cached_route_against_a_new_one, timeout=120):  # (as above: a transport timeout)
         kind, _, seconds = r["raised"]
         assert kind in ("PeerFailedError", "PeerTimeoutError"), r
         assert seconds < 3 * T, r
