@@ -10,19 +10,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(*extra):
+def run_example(script: str, *args, timeout: float = 300) -> tuple[int, str]:
+    """`torchrun --standalone --nproc-per-node 2 examples/<script> <args>` (also
+    tests/test_hf_examples.py): (exit code, stdout + stderr). The spawned rank pools of earlier
+    tests are closed first: they would compete with the example for 2 cores (a pool rank's gloo
+    loop thread has been seen spinning on a core after the failure tests)."""
+    from dist_harness import close_all
+
+    close_all()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "train_llama.py"), "--check", "--compile", "aot_eager", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           os.path.join(ROOT, "examples", script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_train_llama_check_cpu():
-    from dist_harness import close_all
-
-    close_all()  # (the spawned rank pools of earlier tests would compete with the example for 2 cores)
-    rc, out = run_example("--steps", "5")
+    rc, out = run_example("train_llama.py", "--check", "--compile", "aot_eager", "--steps", "5")
     assert rc == 0, out[-4000:]
     assert "check: max relative loss difference" in out and "-> PASS" in out, out[-4000:]
     assert out.count("loss ") >= 5 and "tokens/s" in out, out[-4000:]

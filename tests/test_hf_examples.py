@@ -6,34 +6,18 @@ every step's loss agrees (the examples' own tolerances). The same commands ran o
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_example(name: str, *extra) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", name), "--cp", "2", "--check", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    return proc.returncode, proc.stdout + proc.stderr
+from test_example import run_example
 
 
 @pytest.mark.parametrize("name,needs", [("hf_finetune.py", "transformers"), ("hf_trainer.py", "accelerate"),
                                         ("trl_sft.py", "trl")])
 def test_hf_example_check_cpu(name, needs):
     pytest.importorskip(needs)  # (installed by the README's dev install: the transformers and trainer extras)
-    from dist_harness import close_all
-
-    # The spawned rank pools of earlier tests would compete with the example for 2 cores (a pool
-    # rank's gloo loop thread has been seen spinning on a core after the failure tests).
-    close_all()
-    rc, out = run_example(name)
+    rc, out = run_example(name, "--cp", "2", "--check", timeout=420)
     assert rc == 0, out[-4000:]
     found = re.search(r"check: worst relative loss difference ([0-9.e+-]+) \(tolerance ([0-9.e+-]+)", out)
     assert found is not None, out[-4000:]
