@@ -744,3 +744,24 @@ def test_measured_training_steps_replayed_at_other_matmul_rates(rate, within_5):
         within += sum(r["step_s"][r["picks"]["step"]] <= 1.05 * min(r["step_s"].values()) for r in rows)
         total += len(rows)
     assert (within, total) == (within_5, 7)
+
+
+def test_calibrate_reads_rates_from_calls_back_to_back_and_a_call_alone_from_its_own_start(monkeypatch):
+    """exec/calibrate.py: a rate is the median time per call among calls queued back to back (no
+    host synchronisation between them, which would add the host's wake-up to every transfer); a
+    lone call is timed from its own start. A fake clock gives each call a known duration; the
+    first call is the warm-up and is not counted."""
+    from dtcp.exec import calibrate as calibrate_module
+
+    clock = [0.0]
+    durations = iter([100.0, 3.0, 1.0, 2.0, 50.0, 4.0, 100.0, 3.0, 1.0, 2.0, 50.0, 4.0])
+    monkeypatch.setattr(calibrate_module.time, "perf_counter", lambda: clock[0])
+
+    def call():
+        clock[0] += next(durations)
+
+    cpu = torch.device("cpu")
+    assert calibrate_module.timed_back_to_back(call, cpu, 5) == 3.0  # median of 3, 1, 2, 50, 4
+    assert calibrate_module.timed(call, cpu, 5) == 3.0
+    with pytest.raises(StopIteration):  # each took exactly 1 warm-up + 5 calls
+        call()

@@ -23,17 +23,51 @@ from ..plan import MACHINES, Machine, Task
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` runs, after one warm-up."""
+    """Median seconds of one `fn()` called alone, over `repeats` runs after one warm-up: the
+    device idle before each call, its time from the call's start (the host queuing it) to the
+    device finishing it. On CUDA the ends are events, so the host's wake-up from the
+    synchronisation that follows is not counted (benchmarks/bench_strategies.py times a call the
+    same way)."""
     fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return sorted(times)[len(times) // 2]
+
+
+def timed_back_to_back(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of one `fn()` among `repeats` + 1 calls queued back to back, the first a
+    warm-up: the device's time per call when it is kept fed, which is how a ring's transfers and
+    kernels run. This is what a rate must be read from. A host synchronisation after each call
+    would add the host's wake-up to every figure: on one 2x H200 machine (2026-11-29) that made a
+    4 KB all-to-all 0.362 ms and a 64 MiB one no longer, where other machines read 0.034-0.042 ms
+    for the 4 KB one. On CUDA, events recorded between the calls; on CPU, the wall time between them."""
+    fn()
+    if device.type != "cuda":
+        stamps = [time.perf_counter()]
+        for _ in range(repeats):
+            fn()
+            stamps.append(time.perf_counter())
+        times = [b - a for a, b in zip(stamps, stamps[1:])]
+        return sorted(times)[len(times) // 2]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    events[0].record()
+    for event in events[1:]:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        event.record()
+    events[-1].synchronize()
+    times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
     return sorted(times)[len(times) // 2]
 
 
@@ -87,22 +121,22 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
         for w in works:
             w.wait()
 
-    t_p2p = timed(ring_step, device, repeats) if n > 1 else 1.0
+    t_p2p = timed_back_to_back(ring_step, device, repeats) if n > 1 else 1.0
     a2a_in = torch.empty(transfer_bytes // n * n, dtype=torch.uint8, device=device)
     a2a_out = torch.empty_like(a2a_in)
-    t_a2a = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=pg), device, repeats) if n > 1 else 1.0
+    t_a2a = timed_back_to_back(lambda: dist.all_to_all_single(a2a_out, a2a_in, group=pg), device, repeats) if n > 1 else 1.0
     small_in = torch.empty(4096 * n, dtype=torch.uint8, device=device)
     small_out = torch.empty_like(small_in)
-    t_small = timed(lambda: dist.all_to_all_single(small_out, small_in, group=pg), device, repeats) if n > 1 else 0.0
+    t_small = timed_back_to_back(lambda: dist.all_to_all_single(small_out, small_in, group=pg), device, repeats) if n > 1 else 0.0
     big = torch.empty(transfer_bytes * 4, dtype=torch.uint8, device=device)
     big_copy = torch.empty_like(big)
-    t_copy = timed(lambda: big_copy.copy_(big), device, repeats)
+    t_copy = timed_back_to_back(lambda: big_copy.copy_(big), device, repeats)
     # A decoder layer's matmul (tokens x hidden @ hidden x hidden), for the "step" objective's
     # other work per layer (CallShape.other_flops_per_token). Small on CPU, where it only has to run.
     mm_m, mm_k = (seq_len, 4096) if device.type == "cuda" else (256, 256)
     mm_a = torch.randn(mm_m, mm_k, device=device, dtype=dtype)
     mm_b = torch.randn(mm_k, mm_k, device=device, dtype=dtype)
-    t_mm = timed(lambda: torch.mm(mm_a, mm_b), device, repeats)
+    t_mm = timed_back_to_back(lambda: torch.mm(mm_a, mm_b), device, repeats)
 
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=g)
@@ -118,7 +152,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
             out, lse = kernel.forward(qq, k, v, lo, hi, scale)
             kernel.backward(torch.ones_like(out), qq, k, v, out, lse, lo, hi, scale)
 
-        return timed(step, device, repeats)
+        return timed_back_to_back(step, device, repeats)
 
     # Each kernel's rate on one long square causal block (the schedules' main work); which kernel
     # serves which schedule is decided per call, so the model needs them all.
@@ -141,7 +175,7 @@ def calibrate(pg, device: torch.device, dtype: torch.dtype = torch.bfloat16, hea
     q_tiny = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
     tiny_task = Task(0, 64, 0, 64, None, 0)
     tiny_kernel = select_kernel("auto", q_tiny, q_tiny, [tiny_task])
-    tiny = timed(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
+    tiny = timed_back_to_back(lambda: tiny_kernel.forward(q_tiny, q_tiny, q_tiny, None, 0, 0.125), device, repeats)
     # Host time per varlen launch (forward + backward) of each one-launch kernel: the fused ring's
     # bound when a rank's steps hold little work.
     hosts = []
