@@ -5,9 +5,10 @@ whole sequence on one GPU (measured on the same rows).
     torchrun --nproc-per-node 2 benchmarks/check_strategies.py
 
 Strategies: ring, allgather, ulysses, and hybrid on the 2-D meshes 2 GPUs allow (1x2: Ulysses over
-both; 2x1: the ring across two groups of one). Masks: causal (zigzag), window (1024, 0) on the
-contiguous layout, documents (zigzag), softcap + sinks, at S = 4096; heads 32/8 (GQA) and 8/2 (K/V heads
-replicated under Ulysses when fewer than ranks: here 2 = N, so 4/1 too).
+both; 2x1: the ring across two groups of one), and on 4 or more GPUs (N/2)x2 (the ring across N/2
+groups, Ulysses over the 2 GPUs in each). Masks: causal (zigzag), window (S/4, 0) on the
+contiguous layout, documents (zigzag), softcap + sinks, at S = 4096; heads 32/8 (GQA) and 8/1 (one K/V
+head: Ulysses replicates it over its ranks).
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def main():
 
     mesh_1x2 = init_device_mesh(device.type, (1, n), mesh_dim_names=("ring", "ulysses"))
     mesh_2x1 = init_device_mesh(device.type, (n, 1), mesh_dim_names=("ring", "ulysses"))
+    meshes = [mesh_1x2, mesh_2x1]
+    if n >= 4 and n % 2 == 0:  # both dimensions real: n/2 ring groups, 2 ranks exchanging heads in each
+        meshes.append(init_device_mesh(device.type, (n // 2, 2), mesh_dim_names=("ring", "ulysses")))
     s = args.seq  # the float64 reference holds a few (32, S, S) tensors
     docs = [0, s * 3 // 40, s // 4, s * 11 // 40, s * 5 // 8, s]
     ones = [dist.new_group([r]) for r in range(n)]  # every rank creates every group, in order
     one = ones[dist.get_rank()]
     cases = []
-    for strategy, group in (("ring", None), ("allgather", None), ("ulysses", None), ("hybrid", mesh_1x2),
-                            ("hybrid", mesh_2x1)):
+    for strategy, group in [("ring", None), ("allgather", None), ("ulysses", None)] + [("hybrid", m) for m in meshes]:
         tag = "" if group is None else f" {tuple(group.shape)}"
         cases += [
             (f"causal zigzag 32/8{tag}", strategy, group, dtcp.Zigzag(), 32, 8, {}),
