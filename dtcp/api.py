@@ -368,7 +368,7 @@ def _fixed_costs(pg, n: int, device: torch.device, dtype: torch.dtype, machine) 
             out = ring_attention(q, k, v, pg, layout=layout, is_causal=True, strategy=strategy)
             out.backward(dout)
 
-        measured.append(max(0.0, timed(step, device, 5) - predicted[strategy]))
+        measured.append(max(0.0, timed(step, device, 5, group=pg) - predicted[strategy]))
     return tuple(zip(predicted, slowest(measured, pg, device)))
 
 

@@ -762,6 +762,9 @@ def test_calibrate_reads_rates_from_calls_back_to_back_and_a_call_alone_from_its
 
     cpu = torch.device("cpu")
     assert calibrate_module.timed_back_to_back(call, cpu, 5) == 3.0  # median of 3, 1, 2, 50, 4
-    assert calibrate_module.timed(call, cpu, 5) == 3.0
+    barriers = []
+    monkeypatch.setattr(calibrate_module.dist, "barrier", lambda group: barriers.append(group))
+    assert calibrate_module.timed(call, cpu, 5, group="the group") == 3.0
+    assert barriers == ["the group"] * 5  # the ranks start every timed call together
     with pytest.raises(StopIteration):  # each took exactly 1 warm-up + 5 calls
         call()

@@ -22,15 +22,18 @@ from ..kernels import AUTO_ORDER, KERNELS, VarlenSeqs, select_kernel
 from ..plan import MACHINES, Machine, Task
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
+def timed(fn, device: torch.device, repeats: int, group=None) -> float:
     """Median seconds of one `fn()` called alone, over `repeats` runs after one warm-up: the
     device idle before each call, its time from the call's start (the host queuing it) to the
     device finishing it. On CUDA the ends are events, so the host's wake-up from the
-    synchronisation that follows is not counted (benchmarks/bench_strategies.py times a call the
-    same way)."""
+    synchronisation that follows is not counted. With `group` (a collective `fn`), its ranks
+    start each call together after a barrier; else a rank would count the time it waits for a
+    peer still finishing the call before (benchmarks/bench_strategies.py times a call the same way)."""
     fn()
     times = []
     for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
