@@ -1002,30 +1002,32 @@ def replay(path: str, min_chunk: Optional[int] = None) -> dict:
     replayed, stale = [], 0
     ring_work = {(p["case"], p["heads"], p["world_size"], p["layout"]): p.get("work_per_rank")
                  for p in results["points"] if p["strategy"] == "ring"}
-    for a in results["auto"]:
-        if "measured_ms" not in a or a["case"] not in cases:
-            continue
-        (_, hq, hkv), = parse_heads([a["heads"]])
-        point = make_point(cases[a["case"]], a["layout"], hq, hkv, meta["head_dim"], a["world_size"], "auto",
-                           min_chunk)
-        # A layout that places documents by itself (Balanced) may place them differently in this
-        # checkout: its times then belong to another placement, so the point is not replayed.
-        if not placed_as_measured(point, ring_work.get((a["case"], a["heads"], a["world_size"], a["layout"])), dtype):
-            stale += 1
-            continue
-        rec = dict(a, **auto_pick(point, torch.device("meta"), dtype))
-        one_d = {k: t for k, t in a["measured_ms"].items() if k in ONE_D_STRATEGIES}
-        if rec["pick"] in one_d:
-            best = min(one_d, key=one_d.get)
-            rec.update(best=best, within_5pct=one_d[rec["pick"]] <= 1.05 * one_d[best],
-                       pick_over_best=one_d[rec["pick"]] / one_d[best])
-            if not rec["within_5pct"]:
-                print(f"   MISS {a['case']} {a['heads']} N={a['world_size']} {a['layout']}: auto -> {rec['pick']} "
-                      f"({one_d[rec['pick']]:.2f} ms measured), best {best} ({one_d[best]:.2f} ms); predicted "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in rec["predicted_ms"].items()))
-        else:
-            rec.update(within_5pct=None, note=f"auto's pick {rec['pick']!r} was not measured")
-        replayed.append(rec)
+    # the all-gather as the run had it: grids before the twenty-ninth session gathered whole shards
+    with dtcp_config.override(allgather_exchange=meta.get("allgather_exchange", False)):
+        for a in results["auto"]:
+            if "measured_ms" not in a or a["case"] not in cases:
+                continue
+            (_, hq, hkv), = parse_heads([a["heads"]])
+            point = make_point(cases[a["case"]], a["layout"], hq, hkv, meta["head_dim"], a["world_size"], "auto",
+                               min_chunk)
+            # A layout that places documents by itself (Balanced) may place them differently in this
+            # checkout: its times then belong to another placement, so the point is not replayed.
+            if not placed_as_measured(point, ring_work.get((a["case"], a["heads"], a["world_size"], a["layout"])), dtype):
+                stale += 1
+                continue
+            rec = dict(a, **auto_pick(point, torch.device("meta"), dtype))
+            one_d = {k: t for k, t in a["measured_ms"].items() if k in ONE_D_STRATEGIES}
+            if rec["pick"] in one_d:
+                best = min(one_d, key=one_d.get)
+                rec.update(best=best, within_5pct=one_d[rec["pick"]] <= 1.05 * one_d[best],
+                           pick_over_best=one_d[rec["pick"]] / one_d[best])
+                if not rec["within_5pct"]:
+                    print(f"   MISS {a['case']} {a['heads']} N={a['world_size']} {a['layout']}: auto -> {rec['pick']} "
+                          f"({one_d[rec['pick']]:.2f} ms measured), best {best} ({one_d[best]:.2f} ms); predicted "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in rec["predicted_ms"].items()))
+            else:
+                rec.update(within_5pct=None, note=f"auto's pick {rec['pick']!r} was not measured")
+            replayed.append(rec)
     out = dict(results, auto=replayed)
     print(f"replayed {len(replayed)} picks of {path} ({meta.get('device_name')}) with this checkout's cost model"
           + (f"; {stale} left out (this checkout places their documents otherwise)" if stale else ""))
@@ -1245,6 +1247,7 @@ def main(argv=None) -> dict:
                   ring_steps_per_launch=dtcp_config.ring_steps_per_launch,
                   ring_groups_in_place=dtcp_config.ring_groups_in_place,
                   merge_slots_bytes=dtcp_config.merge_slots_bytes,
+                  allgather_exchange=dtcp_config.allgather_exchange,
                   fa4=fa4_status or "available", lognormal_fit=dict(zip(("mu", "sigma"), lognormal_fit()))),
         cases=[], points=[], auto=[], errors=[], skipped=[],
     )

@@ -277,7 +277,9 @@ def replay(path: str) -> list[dict]:
     call rebuilt on meta tensors (the run's world size, rank 0), predicted with the run's
     calibrated constants where its JSON holds them (else the shipped ones), auto's new pick
     against the same measured times. `placed_as_measured` is False on the rows whose documents
-    this checkout places otherwise than the run did: their times belong to another placement."""
+    this checkout places otherwise than the run did: their times belong to another placement. The
+    all-gather is modelled as the run measured it: runs that do not record
+    `allgather_exchange` (before the twenty-ninth session) gathered every rank's whole shard."""
     from dtcp.api import op_layout
     from dtcp.exec import route
     from dtcp.kernels import default_scale
@@ -286,7 +288,7 @@ def replay(path: str) -> list[dict]:
         run = json.load(f)
     n = run["world_size"]
     rows = []
-    with dtcp.config.override(cost_machine=machine_of(run)):
+    with dtcp.config.override(cost_machine=machine_of(run), allgather_exchange=run.get("allgather_exchange", False)):
         for row in run["rows"]:
             s, (hq, hkv), mask = row["S"], (int(x) for x in row["heads"].split("/")), row["mask"]
             q = torch.empty(1, hq, s // n, 128, dtype=torch.bfloat16, device="meta")
@@ -399,7 +401,8 @@ def main():
             print(split_summary(rows, n))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows}, f, indent=1)
+                json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows,
+                           "allgather_exchange": dtcp.config.allgather_exchange}, f, indent=1)
     dist.barrier()  # no rank tears gloo down while a peer still talks to it (a CPU run aborted at exit)
     dist.destroy_process_group()
 

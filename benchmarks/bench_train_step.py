@@ -155,7 +155,9 @@ def replay(path: str, machine=None) -> list[dict]:
     with open(path) as f:
         run = json.load(f)
     rows = []
-    with dtcp.config.override(cost_machine=machine_of(run) if machine is None else machine):
+    # (the all-gather as the run had it: runs before the twenty-ninth session gathered whole shards)
+    with dtcp.config.override(cost_machine=machine_of(run) if machine is None else machine,
+                              allgather_exchange=run.get("allgather_exchange", False)):
         for row in run["rows"]:
             q_heads, kv_heads = (int(x) for x in row["heads"].split("/"))
             layout = dtcp.Balanced(documents_of(row["mask"], row["seq"]))
@@ -224,7 +226,8 @@ def main():
         print("\n" + summary(rows))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"world_size": n, "device": args.device, "machine": str(machine), "rows": rows}, f, indent=1)
+                json.dump({"world_size": n, "device": args.device, "machine": str(machine), "rows": rows,
+                           "allgather_exchange": dtcp.config.allgather_exchange}, f, indent=1)
     dist.barrier()  # no rank tears gloo down while a peer still talks to it (a CPU run aborted at exit)
     dist.destroy_process_group()
 

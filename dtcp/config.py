@@ -16,6 +16,7 @@ nothing reads the environment or a module global on the hot path.
 | `high_priority_ring` | True | `DTCP_HIGH_PRIORITY_RING` | NCCL ring on a high-priority stream |
 | `merge` | "auto" | `DTCP_MERGE` | LSE merge, and the all-gather's dK/dV sum (exec/rowsum.py): "auto" (fused Triton kernels on CUDA), "triton", "torch" |
 | `merge_slots_bytes` | 512 MiB | `DTCP_MERGE_SLOTS_BYTES` | where a ring pass's first launch writes the results, its later launches write their outputs (forward) and dQ (backward) into slots of at most this many bytes a pass, merged (summed) once at the end instead of launch by launch through float32 accumulators (dtcp/exec/fused.py `Slots`); a pass needing more, and 0, merge launch by launch |
+| `allgather_exchange` | True | `DTCP_ALLGATHER_EXCHANGE` | the all-gather's one varlen launch over documents moves only the keys other ranks read (and their dK/dV back: one all-to-all each way, plan.KeyExchange), nothing where every document sits on one rank; False: every rank's whole shard to every rank (an all-gather and a reduce-scatter) |
 | `allgather_max_bytes` | 16 MiB | | `strategy="auto"` on CPU, and the exchange across hybrid groups, gather K/V up to this size (whole sequence, per rank) |
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
@@ -73,6 +74,7 @@ _ENVIRONMENT = (
     ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
     ("DTCP_KERNEL_REPLAY", "kernel_replay", _parse_bool),
+    ("DTCP_ALLGATHER_EXCHANGE", "allgather_exchange", _parse_bool),
 )
 
 
@@ -86,6 +88,7 @@ class Config:
     high_priority_ring: bool = True
     merge: str = "auto"
     merge_slots_bytes: int = 512 * 2**20
+    allgather_exchange: bool = True
     allgather_max_bytes: int = 16 * 2**20
     eager_fast_path: bool = True
     traced_allgather: bool = True

@@ -18,6 +18,7 @@ GOOD = {
     "DTCP_LAYER_FLOPS_PER_TOKEN": ("1.3e9", "layer_flops_per_token", 1.3e9),
     "DTCP_RING_STEPS_PER_LAUNCH": ("AUTO", "ring_steps_per_launch", "auto"),
     "DTCP_KERNEL_REPLAY": ("off", "kernel_replay", False),
+    "DTCP_ALLGATHER_EXCHANGE": ("0", "allgather_exchange", False),
 }
 BAD = {
     "DTCP_TIMEOUT": ("soon", "could not convert"),
@@ -30,6 +31,7 @@ BAD = {
     "DTCP_LAYER_FLOPS_PER_TOKEN": ("-1", "must be a positive number"),
     "DTCP_RING_STEPS_PER_LAUNCH": ("0", "must be an int >= 1"),
     "DTCP_KERNEL_REPLAY": ("sometimes", "use 1 or 0"),
+    "DTCP_ALLGATHER_EXCHANGE": ("partly", "use 1 or 0"),
 }
 
 

@@ -35,6 +35,19 @@ def reduce_scatter_dkv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: 
     return mine
 
 
+def exchange_rows(send: torch.Tensor, send_rows: tuple[int, ...], recv_rows: tuple[int, ...],
+                  pg: "dist.ProcessGroup", kind: str) -> torch.Tensor:
+    """(sum(send_rows), ...) -> (sum(recv_rows), ...): rows send_rows[j] of `send` (in rank order)
+    go to rank j, and rank i's rows for this rank arrive as the result's recv_rows[i] rows, in rank
+    order. The all-gather's sparse form (exec/allgather.py, plan.KeyExchange). Every rank must
+    call it, each with the splits its plan gives; no row goes to the rank itself. Counted under
+    `kind` ("kv" or "grad")."""
+    recv = send.new_empty((sum(recv_rows),) + send.shape[1:])
+    dist.all_to_all_single(recv, send, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows), group=pg)
+    STATS.count(kind, send.numel() * send.element_size())
+    return recv
+
+
 def all_to_all_bytes(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: int) -> torch.Tensor:
     """(U, row) uint8 -> (U, row) uint8: row j of the result is rank j's row for this rank (each
     rank's row u goes to rank u). Counted as one head-exchange round: the U - 1 rows that are not

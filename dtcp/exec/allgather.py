@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..comm.collectives import all_gather_kv, reduce_scatter_dkv
+from ..comm.collectives import all_gather_kv, exchange_rows, reduce_scatter_dkv
 from ..kernels import Kernel, VarlenSeqs, acc_dtype
 from ..kernels.base import int32_rows, landed, seq_slice
 from ..plan import AllGatherPlan, VarlenPlan
@@ -222,6 +222,16 @@ class _Packing:
     identity: bool = False
     # the same mapping by destination (exec/rowsum.py): which packed rows each (rank, row) sums
     sources: Optional[RowSources] = None
+    # Only the keys other ranks read move (plan.exchange, a KeyExchange), None: the whole shards.
+    # The keys lie in a pool of P = B*L + R rows: this rank's own rows, then the R it received,
+    # rank by rank. pool_row (T_k,): each packed key's row there (dk_row / dv_row are then its
+    # dK / dV row in the (2, P, Hkv, D) float32 buffer: pool_row and P + pool_row).
+    pool_row: Optional[torch.Tensor] = None
+    pool_rows: int = 0
+    send_row: Optional[torch.Tensor] = None  # (S,) this rank's rows it sends, destination by destination
+    send_splits: tuple[int, ...] = ()  # rows to each rank
+    recv_splits: tuple[int, ...] = ()  # rows from each rank
+    moves: bool = False  # whether any rank moves any row (else no collective on any rank)
 
 
 _PACKINGS: dict = {}
@@ -252,6 +262,10 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
     seqs = VarlenSeqs(tuple(cu_q), tuple(cu_k), *int32_rows([cu_q, cu_k], device), max_q, max_k)
     key_rank, key_row = torch.cat(key_rank), torch.cat(key_row)
     rows_per_rank = len(plan.rows) * l_len
+    if plan.exchange is not None and plan.world_size > 1:
+        packing = _exchange_packing(plan, seqs, key_rank, key_row, rows_per_rank, device)
+        bounded_put(_PACKINGS, key, (plan, packing))
+        return packing
     dk_row = key_rank * (2 * rows_per_rank) + key_row
     identity = plan.world_size == 1 and torch.equal(key_row, torch.arange(rows_per_rank))
     # (only where the Triton sum can run: on the device, no host sort)
@@ -261,6 +275,40 @@ def _packing(plan: VarlenPlan, device: torch.device) -> _Packing:
                        (dk_row + rows_per_rank).to(device), identity, sources)
     bounded_put(_PACKINGS, key, (plan, packing))
     return packing
+
+
+def _rows_of(ranges) -> torch.Tensor:
+    """(lo, hi) ranges -> their rows, int64."""
+    if not ranges:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges])
+
+
+def _exchange_packing(plan: VarlenPlan, seqs: VarlenSeqs, key_rank: torch.Tensor, key_row: torch.Tensor,
+                      rows_per_rank: int, device: torch.device) -> _Packing:
+    """The packing where only the keys other ranks read move (plan.exchange): each packed key's
+    row in the pool (own rows, then the received ones rank by rank), and what goes where."""
+    exchange, me = plan.exchange, plan.rank
+    fetched = [_rows_of(ranges) for ranges in exchange.fetch]
+    sent = [_rows_of(ranges) for ranges in exchange.serve]
+    pool_row = key_row.clone()
+    start = rows_per_rank
+    for owner, rows in enumerate(fetched):
+        theirs = key_rank == owner
+        if owner != me and rows.numel():
+            at = torch.searchsorted(rows, key_row[theirs])
+            if not torch.equal(rows[at.clamp(max=rows.numel() - 1)], key_row[theirs]):  # (a planning bug)
+                raise AssertionError(f"rank {me}: a key of rank {owner} it reads is not in its KeyExchange")
+            pool_row[theirs] = start + at
+        elif owner != me and bool(theirs.any()):
+            raise AssertionError(f"rank {me}: reads keys of rank {owner} that its KeyExchange does not fetch")
+        start += rows.numel()
+    pool_rows = start
+    sources = None if device.type != "cuda" else row_sources(pool_row, pool_rows, pool_rows, device)
+    return _Packing(seqs, key_rank.to(device), key_row.to(device), pool_row.to(device),
+                    (pool_row + pool_rows).to(device), False, sources, pool_row.to(device), pool_rows,
+                    torch.cat(sent).to(device), tuple(r.numel() for r in sent), tuple(r.numel() for r in fetched),
+                    exchange.moves)
 
 
 def _pack_rows(x: torch.Tensor) -> torch.Tensor:
@@ -305,6 +353,13 @@ def gather_packed_kv(k, v, pg, plan: VarlenPlan, packing: _Packing):
         return _pack_rows(k), _pack_rows(v)
     b, h, l_len, d = k.shape
     n = plan.world_size
+    if packing.pool_row is not None:  # only the keys other ranks read move
+        own = torch.stack((k.transpose(1, 2), v.transpose(1, 2))).view(2, b * l_len, h, d)
+        if not packing.moves:
+            return own[:, packing.pool_row]
+        send = own.transpose(0, 1).index_select(0, packing.send_row)  # (S, 2, Hkv, D), destination by destination
+        got = exchange_rows(send, packing.send_splits, packing.recv_splits, pg, "kv")  # (R, 2, Hkv, D)
+        return torch.cat((own, got.transpose(0, 1)), dim=1)[:, packing.pool_row]
     gathered = all_gather_kv(torch.stack((k.transpose(1, 2), v.transpose(1, 2))), pg, n)  # (N*2, B, L, Hkv, D)
     # (N, 2, B*L, Hkv, D) -> (2, N, B*L, Hkv, D) view; one gather picks every packed key
     return gathered.view(n, 2, b * l_len, h, d).transpose(0, 1)[:, packing.key_rank, packing.key_row]
@@ -362,12 +417,35 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     # straight into the rank-major layout the reduce-scatter sends: one Triton kernel on CUDA, each
     # row written once (exec/rowsum.py); else a zero fill and indexed accumulates. (Into the flat
     # contiguous view: index_put_ on a strided view clones it and copies it back.)
+    if packing.pool_row is not None:
+        return dq, *_exchanged_dkv(dk, dv, k, v, pg, packing)
     dkv = torch.empty((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
     sum_rows_into(dkv.view(n * 2 * b * l_len, h, d), dk, dv, packing.sources, packing.dk_row, packing.dv_row)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
     return (dq, _contiguous(mine[0].transpose(1, 2), k.dtype),
             _contiguous(mine[1].transpose(1, 2), v.dtype))
+
+
+def _exchanged_dkv(dk, dv, k, v, pg, packing: _Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV of this rank's keys from the launch's packed shares (T_k, Hkv, D), where only the
+    keys other ranks read moved: the shares summed per pool row in float32, the received rows'
+    sums sent back to their ranks, and the sums of this rank's rows that other ranks read added
+    in (float32, one indexed accumulate)."""
+    b, h, l_len, d = k.shape
+    own, pool = b * l_len, packing.pool_rows
+    dkv = torch.empty((2, pool, h, d), dtype=acc_dtype(k.dtype), device=k.device)
+    flat = dkv.view(2 * pool, h, d)
+    sum_rows_into(flat, dk, dv, packing.sources, packing.dk_row, packing.dv_row)
+    del dk, dv
+    if packing.moves:
+        back = dkv[:, own:].transpose(0, 1).contiguous()  # (R, 2, Hkv, D): to the ranks the rows came from
+        got = exchange_rows(back, packing.recv_splits, packing.send_splits, pg, "grad")  # (S, 2, Hkv, D)
+        if got.shape[0]:
+            rows = torch.cat((packing.send_row, packing.send_row + pool))
+            flat.index_put_((rows,), torch.cat((got[:, 0], got[:, 1])), accumulate=True)  # (deterministic: sorted)
+    return (_contiguous(dkv[0, :own].view(b, l_len, h, d).transpose(1, 2), k.dtype),
+            _contiguous(dkv[1, :own].view(b, l_len, h, d).transpose(1, 2), v.dtype))
 
 
 def _rows_result(grad: torch.Tensor, like: torch.Tensor, written: bool) -> torch.Tensor:

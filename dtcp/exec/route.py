@@ -43,7 +43,7 @@ from ..plan import (
     AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
     allgather_reason, chunk_segments, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans,
     row_cu_seqlens,
-    segments_from_cu_seqlens, ulysses_plan, varlen_reason,
+    segments_from_cu_seqlens, ulysses_plan, varlen_plans, varlen_reason,
 )
 from ..plan.cost import machine_for, predict, rank as rank_strategies
 from ..plan.fuse import accumulator_traffic, fused_launches, plan_launches
@@ -163,7 +163,8 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, args.layout, args.is_causal,
            args.scale, args.window, cu_values, args.strategy, args.backend, args.softcap, sinks_shape,
            args.head_group_name, args.chunk_size, config.ring_steps_per_launch, config.cost_machine,
-           config.cost_objective, config.layer_flops_per_token)  # (auto's picks follow them: new value, new route)
+           config.cost_objective, config.layer_flops_per_token,
+           config.allgather_exchange)  # (auto's picks and the plans follow them: new value, new route)
     routes = _routes_of(state)
     route = routes.get(key)
     if route is not None and route.head_state is (head_state or route.head_state):
@@ -435,6 +436,7 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
     target = predicted_target(q, machine_for(config.cost_machine))
     kernels, launches = {}, {}
     ring_fields: dict = {}
+    allgather_rows = None  # (the whole all-gather)
     for strategy in ("ring", "allgather", "ulysses"):
         try:
             if strategy == "ulysses":
@@ -454,6 +456,8 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
             ring_fields = _ring_choice(plans, kernel, q, k, v, n, problem.ring_choices)[1]
             continue
         launches[strategy] = max(_launches(plan, kernel)[0] for plan in plans)
+        if strategy == "allgather" and all(isinstance(p, VarlenPlan) and p.exchange is not None for p in plans):
+            allgather_rows = max(max(p.exchange.fetched_rows, p.exchange.served_rows) for p in plans)
     allowed = list(kernels)
     masks = {seg: AttnMask.make(args.is_causal, args.window, seg) for seg in dict.fromkeys(problem.row_segments)}
     rows = list(problem.row_segments)
@@ -477,7 +481,8 @@ def call_shape(q, k, v, args: CallArgs, problem: _Problem, backward: bool = True
     shape = CallShape(batch=batch, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
                       v_head_dim=v.shape[3], elem_bytes=q.element_size(), world_size=n, local_len=local_len,
                       backward=backward, ring_pairs=ring_pairs, ring_rounds=rounds, **ring_fields,
-                      allgather_pairs=ag_pairs, allgather_calls=launches.get("allgather", 1), total_pairs=total_pairs,
+                      allgather_pairs=ag_pairs, allgather_calls=launches.get("allgather", 1),
+                      allgather_rows=allgather_rows, total_pairs=total_pairs,
                       ulysses_calls=launches.get("ulysses", 1), kernels=tuple(kernels.items()),
                       **_objective_fields())
     return shape, allowed
@@ -675,7 +680,9 @@ def _plans_and_kernel(exchange, layout, q, k, v, args: CallArgs, row_segments, n
         # kernel takes it in one launch, and for rows with their own documents (instead of a loop
         # over rows) with any kernel that takes varlen calls.
         window = masks[distinct[0]].band.window
-        rank_plans = [VarlenPlan(tuple(row_plans[seg][rr] for seg in row_segments), window) for rr in range(n)]
+        rank_rows = [tuple(row_plans[seg][rr] for seg in row_segments) for rr in range(n)]
+        rank_plans = (varlen_plans(rank_rows, window) if config.allgather_exchange
+                      else [VarlenPlan(rows, window) for rows in rank_rows])
         if all(p.rows_tiled for p in rank_plans) and varlen_reason(all_tasks, window) is None:
             seq_lens = [sl for p in rank_plans for sl in p.seq_lens]
             try:

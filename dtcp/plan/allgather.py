@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..layouts import Layout
 from .mask import AttnMask, Band, Task, band_tasks
@@ -196,6 +196,9 @@ class VarlenPlan:
 
     rows: tuple[AllGatherPlan, ...]
     window: tuple[int, int]
+    # The keys this rank fetches and serves, where the call moves only the keys other ranks read
+    # (`varlen_plans`); None: every rank's whole shard is gathered.
+    exchange: Optional["KeyExchange"] = None
 
     @property
     def world_size(self) -> int:
@@ -238,3 +241,61 @@ def varlen_reason(tasks, window: tuple[int, int]) -> Optional[str]:
             return (f"the task {t} has band ({t.lo}, {t.hi}), which the bottom-right window {window} "
                     f"does not give on a {t.q_len}x{t.k_len} sequence")
     return None
+
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class KeyExchange:
+    """The keys one rank's varlen call moves: only those that some other rank's sequences read,
+    where the plain all-gather moves every rank's whole shard to every rank. With packed documents
+    most documents sit whole on one rank, and their keys never need to leave it.
+
+    Rows are a rank's flat token rows, b * L + i for token i of batch row b (L local tokens), as
+    sorted disjoint (lo, hi) ranges.
+        fetch[i]: rank i's rows this rank reads (empty for itself): what it receives from i.
+        serve[j]: this rank's rows rank j reads (empty for itself): what it sends to j, and the
+                  rows whose dK/dV shares come back from j in the backward.
+        moves:    whether any rank of the group moves any row (the same on every rank: where
+                  none does, no rank calls the collective)."""
+
+    fetch: tuple[Ranges, ...]
+    serve: tuple[Ranges, ...]
+    moves: bool
+
+    @property
+    def fetched_rows(self) -> int:
+        return sum(hi - lo for ranges in self.fetch for lo, hi in ranges)
+
+    @property
+    def served_rows(self) -> int:
+        return sum(hi - lo for ranges in self.serve for lo, hi in ranges)
+
+
+def _union(ranges: list[tuple[int, int]]) -> Ranges:
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def varlen_plans(rank_rows: Sequence[tuple[AllGatherPlan, ...]], window: tuple[int, int]) -> list[VarlenPlan]:
+    """Every rank's VarlenPlan (rank_rows[r]: rank r's plan per batch row), each with its
+    KeyExchange, derived from every rank's tasks: pure arithmetic, the same on every rank."""
+    n = len(rank_rows)
+    reads = [[[] for _ in range(n)] for _ in range(n)]  # reads[me][owner]: owner's row ranges
+    for me, rows in enumerate(rank_rows):
+        for b, row in enumerate(rows):
+            offset = b * row.local_len
+            for t in row.tasks:
+                for owner, lo, hi in row.key_slices(t.k_start, t.k_end):
+                    if owner != me:
+                        reads[me][owner].append((offset + lo, offset + hi))
+    fetch = [[_union(reads[me][owner]) for owner in range(n)] for me in range(n)]
+    moves = any(ranges for per_rank in fetch for ranges in per_rank)
+    return [VarlenPlan(tuple(rows), window, KeyExchange(tuple(fetch[me]), tuple(fetch[j][me] for j in range(n)), moves))
+            for me, rows in enumerate(rank_rows)]

@@ -22,7 +22,9 @@ ranks, e bytes per element, and `pairs` the (query, key) pairs the mask leaves v
   float32 dK/dV) with one block's kernels; the slowest rank's pairs set the step (contiguous
   causal is unbalanced, zigzag is not);
 * **allgather**: one all-gather of K/V, exposed, then the rank's kernels; in the backward a
-  float32 reduce-scatter of dK/dV (the forward's gathered K/V is kept);
+  float32 reduce-scatter of dK/dV (the forward's gathered K/V is kept). A varlen call over
+  documents moves only the keys other ranks read (`allgather_rows`, plan.KeyExchange), and
+  their float32 dK/dV back; nothing at all where every document sits on one rank;
 * **ulysses**: all-to-alls of q, k, v (K/V heads replicated up to U when Hkv < U) and of out +
   lse back, exposed; the kernels see the whole sequence for Hq / N heads, perfectly balanced; in
   the backward dout goes out and dq, dk, dv come back (the forward's exchanged tensors are kept);
@@ -168,6 +170,10 @@ class CallShape:
     other_flops_per_token: Optional[float] = None
     allgather_pairs: float = 0  # the slowest rank's
     allgather_calls: int = 1
+    # K/V rows (tokens of one batch row, all K/V heads) the rank that moves most receives or sends,
+    # where the call moves only the keys other ranks read (plan.KeyExchange); None: the whole
+    # all-gather, (N - 1) x B x L
+    allgather_rows: Optional[float] = None
     total_pairs: float = 0  # over the whole sequence (Ulysses' kernels see it for Hq / N heads)
     ulysses_calls: int = 1  # kernel calls after the head exchange (one per document without a varlen kernel)
     ulysses_degree: int = 0  # U of a hybrid mesh (0: 1-D group)
@@ -319,12 +325,15 @@ def predict(strategy: str, shape: CallShape, machine: Machine, outer: Optional[M
         kernel = _kernel_s(machine, _flops(shape, shape.q_heads, shape.allgather_pairs),
                            shape.local_len * shape.q_heads * b, shape.allgather_calls, shape.kernel_of("allgather"),
                            shape.backward, host_hidden=shape.host_hidden)
-        kv = b * shape.kv_heads * shape.local_len * (d + dv)
-        comm = machine.latency_s + (n - 1) * kv * e / machine.collective_bytes_per_s
-        copies = 2 * n * kv * e / machine.memory_bytes_per_s  # the gathered K/V put in global order (one copy)
+        row = shape.kv_heads * (d + dv)  # elements of one token's K and V
+        own = b * shape.local_len
+        moved = (n - 1) * own if shape.allgather_rows is None else shape.allgather_rows
+        latency = machine.latency_s if moved else 0.0  # (no collective where no rank moves a row)
+        comm = latency + moved * row * e / machine.collective_bytes_per_s
+        copies = 2 * (own + moved) * row * e / machine.memory_bytes_per_s  # the K/V put in the launch's order (one copy)
         if shape.backward:
-            comm += machine.latency_s + (n - 1) * kv * 4 / machine.collective_bytes_per_s
-            copies += 2 * n * kv * 4 / machine.memory_bytes_per_s  # float32 dK/dV summed into the send buffer
+            comm += latency + moved * row * 4 / machine.collective_bytes_per_s
+            copies += 2 * (own + moved) * row * 4 / machine.memory_bytes_per_s  # float32 dK/dV summed per key
         fixed = _fixed(machine, "allgather", shape)
         return Prediction("allgather", kernel + comm + copies + fixed, kernel, comm, comm + copies,
                           kernel=shape.kernel_of("allgather"), launches=shape.allgather_calls)
