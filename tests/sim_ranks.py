@@ -104,19 +104,24 @@ def simulated_allgather_tasks(layout, n, q, k, v, dout, kernel, *, is_causal=Tru
     return in_token_order(results, layout, n)
 
 
-def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None):
+def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None,
+                        exchange=True):
     """As simulated_ring, for the all-gather schedule as one varlen call per rank (documents:
-    dtcp/exec/allgather.py varlen_forward/varlen_backward). Its collectives carry the real data:
-    the all-gather gives every rank's K/V, and each rank's dK/dV is the sum of every rank's share
-    of it, as a reduce-scatter returns it."""
+    dtcp/exec/allgather.py varlen_forward/varlen_backward), one thread per rank. With `exchange`
+    (dtcp.config.allgather_exchange, the default) each rank's plan moves only the keys other
+    ranks read (plan.KeyExchange, as the route builds it), and the exchanges carry every rank's
+    real rows both ways; without it the all-gather gives every rank's K/V and each rank's dK/dV is
+    the sum of every rank's share of it, as a reduce-scatter returns it."""
     from dtcp.exec import allgather as ag
-    from dtcp.plan import VarlenPlan, allgather_plans, varlen_reason
+    from dtcp.plan import VarlenPlan, allgather_plans, varlen_plans, varlen_reason
 
     s = q.shape[2]
     local_len = s // n
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     mask = AttnMask.make(is_causal, window, None if docs is None else segments_of(docs))
-    plans = [VarlenPlan((p,), mask.band.window) for p in allgather_plans(layout, local_len, n, is_causal, mask)]
+    rank_rows = [(p,) for p in allgather_plans(layout, local_len, n, is_causal, mask)]
+    plans = (varlen_plans(rank_rows, mask.band.window) if exchange
+             else [VarlenPlan(rows, mask.band.window) for rows in rank_rows])
     assert all(p.rows_tiled for p in plans) and varlen_reason([t for p in plans for t in p.tasks],
                                                                mask.band.window) is None
     why = kernel.reject_varlen_reason([sl for p in plans for sl in p.seq_lens], mask.band.window)
@@ -124,19 +129,65 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
         raise NotImplementedError(why)
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
-    gathered = torch.cat([torch.stack((kr.transpose(1, 2), vr.transpose(1, 2))) for _, kr, vr, _ in shards])
-    ranks = iter(plans)
+    if not exchange:
+        gathered = torch.cat([torch.stack((kr.transpose(1, 2), vr.transpose(1, 2))) for _, kr, vr, _ in shards])
+        ranks = iter(plans)
 
-    def run_rank(qr, kr, vr, dr):
-        plan = next(ranks)
-        out, lse, _ = ag.varlen_forward(qr, kr, vr, None, plan, kernel, scale)
-        dq, _, _ = ag.varlen_backward(dr, qr, kr, vr, out, lse, None, plan, kernel, scale)
-        return [out, lse, dq]
+        def run_rank(qr, kr, vr, dr):
+            plan = next(ranks)
+            out, lse, _ = ag.varlen_forward(qr, kr, vr, None, plan, kernel, scale)
+            dq, _, _ = ag.varlen_backward(dr, qr, kr, vr, out, lse, None, plan, kernel, scale)
+            return [out, lse, dq]
 
-    results, mine = _allgather_ranks(shards, gathered, run_rank)
-    for res, dkv in zip(results, mine):  # (2, B, L, Hkv, D) float32
-        res += [dkv[0].transpose(1, 2).to(k.dtype), dkv[1].transpose(1, 2).to(v.dtype)]
+        results, mine = _allgather_ranks(shards, gathered, run_rank)
+        for res, dkv in zip(results, mine):  # (2, B, L, Hkv, D) float32
+            res += [dkv[0].transpose(1, 2).to(k.dtype), dkv[1].transpose(1, 2).to(v.dtype)]
+        return in_token_order(results, layout, n)
+    rows = _ExchangeRows(n)
+    kern = locked(kernel)
+
+    def rank_fn(r, _comm):
+        qr, kr, vr, dr = shards[r]
+        try:  # (the rank goes where the process group goes: the simulated exchange reads it)
+            out, lse, _ = ag.varlen_forward(qr, kr, vr, r, plans[r], kern, scale)
+            dq, dk, dv = ag.varlen_backward(dr, qr, kr, vr, out, lse, r, plans[r], kern, scale)
+        except BaseException:
+            rows.barrier.abort()
+            raise
+        return out, lse, dq, dk, dv
+
+    saved, ag.exchange_rows = ag.exchange_rows, rows
+    try:
+        results = SimulatedRing(n).run(rank_fn)
+    finally:
+        ag.exchange_rows = saved
     return in_token_order(results, layout, n)
+
+
+class _ExchangeRows:
+    """dtcp/comm/collectives.py exchange_rows among `n` simulated ranks (the rank passed where the
+    process group goes): rows send_rows[j] of a rank's send go to rank j, in rank order. Each call
+    waits for every rank's send; a failing rank breaks the barrier (`abort`)."""
+
+    def __init__(self, n: int, timeout_s: float = 300.0):
+        self.n, self.sends = n, [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def __call__(self, send, send_rows, recv_rows, rank, kind):
+        assert len(send_rows) == len(recv_rows) == self.n and send.shape[0] == sum(send_rows)
+        self.sends[rank] = (send.clone(), send_rows)
+        try:
+            self.barrier.wait()
+            parts = []
+            for j, (theirs, splits) in enumerate(self.sends):
+                start = sum(splits[:rank])
+                assert splits[rank] == recv_rows[j], (rank, j, splits, recv_rows)  # the plans agree
+                parts.append(theirs[start:start + splits[rank]])
+            recv = torch.cat(parts)
+            self.barrier.wait()  # every rank has read before the next call overwrites a send
+        except threading.BrokenBarrierError as e:
+            raise RuntimeError("simulated exchange: another rank failed") from e
+        return recv
 
 
 class _AllToAll:

@@ -4,6 +4,8 @@ the one-GPU test (tests/gpu/test_one_gpu_ranks.py) measures the kernels' numeric
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -91,11 +93,15 @@ def assert_simulation_exact(schedule, n, layout, docs, window, heads, seed):
         assert exact_err(a, b) < 1e-10, name
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["keys_read_across_ranks", "whole_shards"])
 @pytest.mark.parametrize("n,layout,docs,window", [c for c in CASES if c[2] is not None], ids=str)
-def test_simulated_allgather_is_exact(n, layout, docs, window):
-    """The one-process all-gather (one varlen call per rank, real gathered K/V, dK/dV summed over
-    the ranks' shares) equals single-process attention: the one-GPU test measures kernels only."""
-    assert_simulation_exact(simulated_allgather, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
+def test_simulated_allgather_is_exact(n, layout, docs, window, exchange):
+    """The one-process all-gather (one varlen call per rank, one thread each; the keys other ranks
+    read exchanged for real and their dK/dV sent back, or every rank's K/V gathered and dK/dV
+    summed over the ranks' shares) equals single-process attention: the one-GPU test measures
+    kernels only."""
+    schedule = functools.partial(simulated_allgather, exchange=exchange)
+    assert_simulation_exact(schedule, n, layout, docs, window, heads=(4, 2, 2, 4), seed=6)
 
 
 TASK_CASES = [(n, dtcp.Zigzag(), None, (-1, -1)) for n in (2, 4, 8)] + [

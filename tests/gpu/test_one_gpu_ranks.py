@@ -3,8 +3,8 @@ dtcp.comm.simulated), each with its real plan, kernel calls (fused step launches
 blocks it really receives, against float64. For every rank and every quantity (out, lse, dq and,
 on the rank's own keys, dk, dv) the ring's error stays within 1.5x the same kernel's own error
 over the whole sequence in one call, measured on the same rows. The all-gather schedule as one
-varlen call per rank (tests/sim_ranks.py simulated_allgather: the real gathered K/V, dK/dV summed
-over the ranks' shares) is held to the same bound on the document cases, and Ulysses
+varlen call per rank (tests/sim_ranks.py simulated_allgather: one thread a rank, the keys other
+ranks read exchanged for real and their float32 dK/dV sent back, as the route runs it) is held to the same bound on the document cases, and Ulysses
 (simulated_ulysses: each rank's route, its all-to-alls carrying the real bytes) on every case.
 
     python -m pytest -q -s tests/gpu/test_one_gpu_ranks.py
@@ -153,7 +153,8 @@ DOC_CASES = [c for c in CASES if c[2] is not None]
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("name,make_layout,docs,window", DOC_CASES, ids=[c[0] for c in DOC_CASES])
 def test_allgather_bf16_within_the_kernels_own_error(backend, n, name, make_layout, docs, window):
-    """The all-gather as one varlen launch per rank (documents; Balanced's many runs included)."""
+    """The all-gather as one varlen launch per rank (documents; Balanced's many runs included),
+    moving only the keys other ranks read (plan.KeyExchange), as the route runs it."""
     within_the_kernels_own_error(simulated_allgather, backend, n, name, make_layout, docs, window)
 
 
