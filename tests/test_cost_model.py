@@ -311,6 +311,15 @@ def test_accumulator_traffic_counts_fill_merges_and_gathers():
     # 2x H200 (twenty-eighth session, 44d2b5b; causal and the three document mixes at 32K and 128K,
     # 32/8 heads): the ring taken at every point; at 32K on Pareto the all-gather was 6.4% faster
     ("strategies_2xh200_2026-11-29.json", None, 8, 7),
+    # 4x H200 (twenty-ninth session, 6029af7, calibrated from calls back to back; the same grid):
+    # every pick within 5%
+    ("strategies_4xh200_2026-11-29.json", None, 8, 8),
+    # ... and on a second machine (2a155e0), the three document mixes at 32K with the all-gather
+    # moving only the keys other ranks read, then whole shards (DTCP_ALLGATHER_EXCHANGE=0), each
+    # replayed as it ran: on "long-tailed documents" the ring (2.48 ms) beat the exchanging
+    # all-gather auto took (2.85 ms), whose model came within 0.9 ms where the ring's stayed 1.6 ms over
+    ("strategies_4xh200_2026-11-29_exchange_on.json", None, 3, 2),
+    ("strategies_4xh200_2026-11-29_exchange_off.json", None, 3, 3),
 ])
 def test_measured_multi_gpu_runs_replayed(name, masks, points, within_5):
     """benchmarks/bench_strategies.py's replay (this checkout's model on a measured run's shapes)
