@@ -229,6 +229,7 @@ class _Packing:
     pool_row: Optional[torch.Tensor] = None
     pool_rows: int = 0
     send_row: Optional[torch.Tensor] = None  # (S,) this rank's rows it sends, destination by destination
+    return_row: Optional[torch.Tensor] = None  # (2S,) their dK rows, then their dV rows, in the float32 buffer
     send_splits: tuple[int, ...] = ()  # rows to each rank
     recv_splits: tuple[int, ...] = ()  # rows from each rank
     moves: bool = False  # whether any rank moves any row (else no collective on any rank)
@@ -305,10 +306,11 @@ def _exchange_packing(plan: VarlenPlan, seqs: VarlenSeqs, key_rank: torch.Tensor
         start += rows.numel()
     pool_rows = start
     sources = None if device.type != "cuda" else row_sources(pool_row, pool_rows, pool_rows, device)
+    send_row = torch.cat(sent)
     return _Packing(seqs, key_rank.to(device), key_row.to(device), pool_row.to(device),
                     (pool_row + pool_rows).to(device), False, sources, pool_row.to(device), pool_rows,
-                    torch.cat(sent).to(device), tuple(r.numel() for r in sent), tuple(r.numel() for r in fetched),
-                    exchange.moves)
+                    send_row.to(device), torch.cat((send_row, send_row + pool_rows)).to(device),
+                    tuple(r.numel() for r in sent), tuple(r.numel() for r in fetched), exchange.moves)
 
 
 def _pack_rows(x: torch.Tensor) -> torch.Tensor:
@@ -413,12 +415,12 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     dq = _rows_result(dq, q, b == 1)
     if packing.identity:  # each key's one share, in the rank's own order
         return dq, _rows_result(dk, k, b == 1), _rows_result(dv, v, b == 1)
+    if packing.pool_row is not None:  # only the keys other ranks read moved
+        return dq, *_exchanged_dkv(dk, dv, k, v, pg, packing)
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
     # straight into the rank-major layout the reduce-scatter sends: one Triton kernel on CUDA, each
     # row written once (exec/rowsum.py); else a zero fill and indexed accumulates. (Into the flat
     # contiguous view: index_put_ on a strided view clones it and copies it back.)
-    if packing.pool_row is not None:
-        return dq, *_exchanged_dkv(dk, dv, k, v, pg, packing)
     dkv = torch.empty((n, 2, b * l_len, h, d), dtype=acc, device=k.device)
     sum_rows_into(dkv.view(n * 2 * b * l_len, h, d), dk, dv, packing.sources, packing.dk_row, packing.dv_row)
     del dk, dv
@@ -441,9 +443,8 @@ def _exchanged_dkv(dk, dv, k, v, pg, packing: _Packing) -> tuple[torch.Tensor, t
     if packing.moves:
         back = dkv[:, own:].transpose(0, 1).contiguous()  # (R, 2, Hkv, D): to the ranks the rows came from
         got = exchange_rows(back, packing.recv_splits, packing.send_splits, pg, "grad")  # (S, 2, Hkv, D)
-        if got.shape[0]:
-            rows = torch.cat((packing.send_row, packing.send_row + pool))
-            flat.index_put_((rows,), torch.cat((got[:, 0], got[:, 1])), accumulate=True)  # (deterministic: sorted)
+        if got.shape[0]:  # (deterministic: the sorted accumulate)
+            flat.index_put_((packing.return_row,), torch.cat((got[:, 0], got[:, 1])), accumulate=True)
     return (_contiguous(dkv[0, :own].view(b, l_len, h, d).transpose(1, 2), k.dtype),
             _contiguous(dkv[1, :own].view(b, l_len, h, d).transpose(1, 2), v.dtype))
 
