@@ -156,12 +156,7 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
             raise
         return out, lse, dq, dk, dv
 
-    saved, ag.exchange_rows = ag.exchange_rows, rows
-    try:
-        results = SimulatedRing(n).run(rank_fn)
-    finally:
-        ag.exchange_rows = saved
-    return in_token_order(results, layout, n)
+    return in_token_order(_threads_with(n, rank_fn, ag, "exchange_rows", rows), layout, n)
 
 
 class _ExchangeRows:
@@ -256,12 +251,18 @@ def simulated_ulysses(layout, n, q, k, v, dout, kernel, *, is_causal=True, windo
             raise
         return out, lse, dq, dk, dv
 
-    saved, ul.all_to_all_bytes = ul.all_to_all_bytes, all_to_all
+    return in_token_order(_threads_with(n, rank_fn, ul, "all_to_all_bytes", all_to_all), layout, n)
+
+
+def _threads_with(n, rank_fn, module, name, collective):
+    """Every rank's `rank_fn(rank, comm)` on a thread of its own (SimulatedRing), with `module.name`
+    (the collective the code under test calls) replaced by the simulated `collective` meanwhile."""
+    saved = getattr(module, name)
+    setattr(module, name, collective)
     try:
-        results = SimulatedRing(n).run(rank_fn)
+        return SimulatedRing(n).run(rank_fn)
     finally:
-        ul.all_to_all_bytes = saved
-    return in_token_order(results, layout, n)
+        setattr(module, name, saved)
 
 
 def in_token_order(results, layout, n):
