@@ -178,3 +178,140 @@ def test_allgather_exchange_off_gathers_whole_shards():
         assert r["plan"] == "VarlenPlan" and not r["exchange"], r
         whole = (n - 1) * r["local_rows"] * r["row_bytes"]
         assert r["sent"] == (1, whole, 1, whole), r
+
+
+def exchange_setting_on_one_rank():
+    """The last rank turns dtcp.config.allgather_exchange off (it would call an all-gather where
+    the others call an all-to-all): every rank's outcome, then a matching call on the same group."""
+    import time
+
+    import torch.distributed as dist
+
+    from dtcp.kernels import KERNELS
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    docs = (40, 3, 3, 2, 9, 7)
+    layout = layout_of("balanced@1", docs)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (layout.shard(torch.randn(1, h, sum(docs), 8, generator=g, dtype=torch.float64), dim=2)
+               for h in (4, 2, 2))
+    kernel = KERNELS["math"]
+    saved = type(kernel).varlen_one_launch
+
+    def call():
+        return dtcp.ring_attention(q, k, v, layout=layout, is_causal=True, enable_gqa=True, backend="math",
+                                   strategy="allgather")
+
+    try:
+        type(kernel).varlen_one_launch = True
+        with dtcp.config.override(timeout_s=20.0, allgather_exchange=r != n - 1):
+            t0 = time.monotonic()
+            try:
+                call()
+                raised = ("returned", "")
+            except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+                raised = (type(e).__name__, str(e))
+            seconds = time.monotonic() - t0
+        again = call()  # the setting the same everywhere again: the group still works
+    finally:
+        type(kernel).varlen_one_launch = saved
+    return {"raised": raised, "seconds": seconds, "again": tuple(again.shape)}
+
+
+def test_the_exchange_setting_on_one_rank_only_is_refused_on_every_rank():
+    """Every rank raises PeerMismatchError at once, naming dtcp.config.allgather_exchange, before
+    any collective (one would never meet the other); the group then works."""
+    for r in run_ranks(4, exchange_setting_on_one_rank, timeout=120):
+        kind, message = r["raised"]
+        assert kind == "PeerMismatchError" and "allgather_exchange" in message, r
+        assert r["seconds"] < 5.0, r
+        assert r["again"][2] > 0, r
+
+
+def compiled_exchange(totals=(64, 64, 96, 96, 80, 64)):
+    """On each rank: the all-gather over a new `Balanced` document mix every step, the packed length
+    changing at the third (`totals`), eager and under torch.compile(fullgraph=True, aot_eager):
+    both against single-process attention, each other bit for bit, and the K/V bytes each pass
+    sends against its plan's exchange."""
+    import random
+
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from dtcp.comm import STATS
+    from dtcp.exec.route import CallArgs, clear_routes, route_for
+    from dtcp.kernels import KERNELS, default_scale
+
+    torch._dynamo.reset()
+    counters.clear()
+    n = dist.get_world_size()
+    kernel = KERNELS["math"]
+    saved = type(kernel).varlen_one_launch
+
+    def attend(q, k, v, cu):
+        return dtcp.ring_attention(q, k, v, layout="balanced@1", cu_seqlens=cu, is_causal=True, enable_gqa=True,
+                                   backend="math", strategy="allgather", return_lse=True)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    rng = random.Random(11)
+    worst, same, sent, frames = 0.0, [], [], []
+    try:
+        type(kernel).varlen_one_launch = True
+        clear_routes()
+        for step, total in enumerate(totals):
+            docs, left = [], total
+            while left:
+                docs.append(min(left, rng.choice((1, 2, 3, 5, 9, 17, 33))))
+                left -= docs[-1]
+            cu_list = [0, *itertools.accumulate(docs)]
+            cu = torch.tensor(cu_list, dtype=torch.int32)
+            layout = dtcp.Balanced.from_cu_seqlens(cu, min_chunk=1)
+            g = torch.Generator().manual_seed(step)
+            q, k, v, dout = (torch.randn(1, h, total, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+            ref = [t.clone().requires_grad_() for t in (q, k, v)]
+            out_ref, lse_ref = reference_attention(*ref, mask=window_doc_mask(total, is_causal=True, cu_seqlens=cu_list))
+            out_ref.backward(dout)
+            args = CallArgs(dist.group.WORLD.group_name, layout.op_spec(), True, default_scale(8), "math", -1, 0,
+                            "allgather")
+            results = []
+            for fn in (attend, compiled):
+                local = [layout.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+                STATS.reset()
+                out, lse = fn(*local, cu)
+                out.backward(layout.shard(dout, dim=2))
+                plan = route_for(local[0], local[1], local[2], args, tuple(cu_list), "test").plan
+                row_bytes = 2 * 2 * 8 * 8  # K and V, 2 heads of 8, float64
+                sent.append((STATS.kv_bytes_sent, STATS.grad_bytes_sent, plan.exchange.served_rows * row_bytes,
+                             plan.exchange.fetched_rows * row_bytes))
+                errors = sharded_errors(layout, (out, lse, *(t.grad for t in local)),
+                                        (out_ref, lse_ref.detach(), *(t.grad for t in ref)))
+                worst = max(worst, *errors.values())
+                results.append([out.detach(), lse.detach()] + [t.grad for t in local])
+            same.append(all(torch.equal(a, b) for a, b in zip(*results)))
+            frames.append(counter.frame_count)
+    finally:
+        type(kernel).varlen_one_launch = saved
+        clear_routes()
+    return {"worst": worst, "same": same, "sent": sent, "frames": frames,
+            "graph_breaks": sum(counters["graph_break"].values()), "n": n}
+
+
+def test_compiled_exchange_with_new_documents_and_lengths():
+    """fullgraph, aot_eager, 4 ranks, a new document mix every step (and so a new number of
+    boundaries) and packed lengths 64, 64, 96, 96, 80, 64: exact to 1e-10, bit for bit as eager, 0
+    graph breaks; the boundaries' new count and the first new length each recompile once, as
+    dynamic shapes, and nothing recompiles after (80 and 64 again, more new mixes). Every pass
+    sends exactly its plan's rows (K/V twice, the forward's and the custom op backward's, and the
+    fetched rows' float64 dK/dV once)."""
+    for r in run_ranks(4, compiled_exchange, timeout=300):
+        assert r["worst"] < 1e-10, r
+        assert all(r["same"]), r
+        assert r["graph_breaks"] == 0, r
+        assert r["frames"][2] <= 3 and r["frames"][-1] == r["frames"][2], r
+        for eager, compiled in zip(r["sent"][::2], r["sent"][1::2]):
+            kv, grad, once, want_grad = compiled
+            assert (kv, grad) == (2 * once, want_grad), r  # (the custom op's backward exchanges K/V again)
+            assert eager[:2] == (once, want_grad), r  # (eager keeps its K/V for the backward)
+        assert any(s[2] for s in r["sent"]), r  # some step moved rows

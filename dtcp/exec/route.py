@@ -188,7 +188,10 @@ def route_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: CallArgs,
     signature = dict(signature, **{
         "strategy chosen (dtcp.config.cost_machine, cost_objective, layer_flops_per_token)": strategy,
         "ring steps per launch (dtcp.config.ring_steps_per_launch, cost_machine, cost_objective, "
-        "layer_flops_per_token)": str(size)})
+        "layer_flops_per_token)": str(size),
+        # (an all-to-all of the keys read on some ranks, an all-gather on others, would never meet)
+        "all-gather moving only the keys other ranks read (dtcp.config.allgather_exchange)":
+            str(isinstance(plan, VarlenPlan) and plan.exchange is not None)})
     _agree(guards, what, signature)
     if strategy == "ulysses":
         head_state = state  # the 1-D group exchanges heads; nothing moves after
