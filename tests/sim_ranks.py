@@ -159,37 +159,13 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
     return in_token_order(_threads_with(n, rank_fn, ag, "exchange_rows", rows), layout, n)
 
 
-class _ExchangeRows:
-    """dtcp/comm/collectives.py exchange_rows among `n` simulated ranks (the rank passed where the
-    process group goes): rows send_rows[j] of a rank's send go to rank j, in rank order. Each call
-    waits for every rank's send; a failing rank breaks the barrier (`abort`)."""
-
-    def __init__(self, n: int, timeout_s: float = 300.0):
-        self.n, self.sends = n, [None] * n
-        self.barrier = threading.Barrier(n, timeout=timeout_s)
-
-    def __call__(self, send, send_rows, recv_rows, rank, kind):
-        assert len(send_rows) == len(recv_rows) == self.n and send.shape[0] == sum(send_rows)
-        self.sends[rank] = (send.clone(), send_rows)
-        try:
-            self.barrier.wait()
-            parts = []
-            for j, (theirs, splits) in enumerate(self.sends):
-                start = sum(splits[:rank])
-                assert splits[rank] == recv_rows[j], (rank, j, splits, recv_rows)  # the plans agree
-                parts.append(theirs[start:start + splits[rank]])
-            recv = torch.cat(parts)
-            self.barrier.wait()  # every rank has read before the next call overwrites a send
-        except threading.BrokenBarrierError as e:
-            raise RuntimeError("simulated exchange: another rank failed") from e
-        return recv
-
-
 class _AllToAll:
     """The all-to-all of `n` simulated ranks (dtcp/comm/collectives.py all_to_all_bytes' contract:
     (U, row) uint8 -> (U, row), row j of the result is rank j's row for this rank), the rank passed
     where the process group goes. Each call waits for every rank's send; a failing rank breaks the
     barrier (`abort`), so the others raise instead of waiting."""
+
+    what = "all-to-all"
 
     def __init__(self, n: int, timeout_s: float = 300.0):
         self.n, self.sends = n, [None] * n
@@ -197,14 +173,38 @@ class _AllToAll:
 
     def __call__(self, send, rank, world_size):
         assert world_size == self.n
-        self.sends[rank] = send.clone()
+        return self._round(rank, send.clone(), lambda: torch.stack([self.sends[j][rank] for j in range(self.n)]))
+
+    def _round(self, rank: int, payload, read):
+        """Post this rank's `payload`, then `read()` once every rank has posted."""
+        self.sends[rank] = payload
         try:
             self.barrier.wait()
-            recv = torch.stack([self.sends[j][rank] for j in range(self.n)])
+            got = read()
             self.barrier.wait()  # every rank has read before the next call overwrites a send
         except threading.BrokenBarrierError as e:  # (SimulatedRing.run then raises the failing rank's error)
-            raise RuntimeError("simulated all-to-all: another rank failed") from e
-        return recv
+            raise RuntimeError(f"simulated {self.what}: another rank failed") from e
+        return got
+
+
+class _ExchangeRows(_AllToAll):
+    """dtcp/comm/collectives.py exchange_rows among `n` simulated ranks (the rank passed where the
+    process group goes): rows send_rows[j] of a rank's send go to rank j, in rank order."""
+
+    what = "exchange"
+
+    def __call__(self, send, send_rows, recv_rows, rank, kind):
+        assert len(send_rows) == len(recv_rows) == self.n and send.shape[0] == sum(send_rows)
+
+        def read():
+            parts = []
+            for j, (theirs, splits) in enumerate(self.sends):
+                start = sum(splits[:rank])
+                assert splits[rank] == recv_rows[j], (rank, j, splits, recv_rows)  # the plans agree
+                parts.append(theirs[start:start + splits[rank]])
+            return torch.cat(parts)
+
+        return self._round(rank, (send.clone(), send_rows), read)
 
 
 def simulated_ulysses(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None,

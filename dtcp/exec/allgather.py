@@ -307,9 +307,10 @@ def _exchange_packing(plan: VarlenPlan, seqs: VarlenSeqs, key_rank: torch.Tensor
     pool_rows = start
     sources = None if device.type != "cuda" else row_sources(pool_row, pool_rows, pool_rows, device)
     send_row = torch.cat(sent)
-    return _Packing(seqs, key_rank.to(device), key_row.to(device), pool_row.to(device),
-                    (pool_row + pool_rows).to(device), False, sources, pool_row.to(device), pool_rows,
-                    send_row.to(device), torch.cat((send_row, send_row + pool_rows)).to(device),
+    pool_row_d = pool_row.to(device)  # (also each key's dK row: one tensor for both fields)
+    return _Packing(seqs, key_rank.to(device), key_row.to(device), pool_row_d, (pool_row + pool_rows).to(device),
+                    False, sources, pool_row_d, pool_rows, send_row.to(device),
+                    torch.cat((send_row, send_row + pool_rows)).to(device),
                     tuple(r.numel() for r in sent), tuple(r.numel() for r in fetched), exchange.moves)
 
 

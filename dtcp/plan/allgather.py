@@ -15,7 +15,7 @@ from functools import cached_property, lru_cache
 from typing import Optional, Sequence
 
 from ..layouts import Layout
-from .mask import AttnMask, Band, Task, band_tasks
+from .mask import AttnMask, Band, Task, band_tasks, union_ranges
 
 
 @dataclass(frozen=True)
@@ -273,16 +273,6 @@ class KeyExchange:
         return sum(hi - lo for ranges in self.serve for lo, hi in ranges)
 
 
-def _union(ranges: list[tuple[int, int]]) -> Ranges:
-    out: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return tuple((lo, hi) for lo, hi in out)
-
-
 def varlen_plans(rank_rows: Sequence[tuple[AllGatherPlan, ...]], window: tuple[int, int]) -> list[VarlenPlan]:
     """Every rank's VarlenPlan (rank_rows[r]: rank r's plan per batch row), each with its
     KeyExchange, derived from every rank's tasks: pure arithmetic, the same on every rank."""
@@ -295,7 +285,7 @@ def varlen_plans(rank_rows: Sequence[tuple[AllGatherPlan, ...]], window: tuple[i
                 for owner, lo, hi in row.key_slices(t.k_start, t.k_end):
                     if owner != me:
                         reads[me][owner].append((offset + lo, offset + hi))
-    fetch = [[_union(reads[me][owner]) for owner in range(n)] for me in range(n)]
+    fetch = [[union_ranges(reads[me][owner]) for owner in range(n)] for me in range(n)]
     moves = any(ranges for per_rank in fetch for ranges in per_rank)
     return [VarlenPlan(tuple(rows), window, KeyExchange(tuple(fetch[me]), tuple(fetch[j][me] for j in range(n)), moves))
             for me, rows in enumerate(rank_rows)]

@@ -43,6 +43,7 @@ from functools import lru_cache
 from typing import Optional
 
 from .fuse import Launch, plan_launches
+from .mask import union_ranges
 
 FULL = (-1, -1)
 
@@ -109,7 +110,7 @@ def share_writes(group: StepGroup, span_lens: tuple[int, ...]) -> tuple[tuple, .
             if jj == j:
                 for x, y, first in _split_covered(a, e, covered):
                     writes.append((first, x, y, off + x - a))
-                covered = _union(covered, (a, e))
+                covered = union_ranges([*covered, (a, e)])
             off += e - a
         zeros, at = [], 0
         for x, y in covered:
@@ -135,17 +136,6 @@ def _split_covered(a: int, e: int, covered) -> list[tuple[int, int, bool]]:
     if at < e:
         parts.append((at, e, True))
     return parts
-
-
-def _union(covered, r) -> list[tuple[int, int]]:
-    """Sorted, disjoint ranges `covered` with range r added (touching ranges joined)."""
-    out = []
-    for x, y in sorted(list(covered) + [r]):
-        if out and x <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], y))
-        else:
-            out.append((x, y))
-    return out
 
 
 def step_chunks(num_steps: int, size: int) -> tuple[tuple[int, ...], ...]:

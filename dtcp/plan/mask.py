@@ -147,6 +147,17 @@ class AttnMask:
         return k >= 0 and self.segments[k][0] <= min(i, j) and max(i, j) < self.segments[k][1]
 
 
+def union_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """Half-open (lo, hi) ranges as sorted, disjoint ones (overlapping or touching ranges joined)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
 def documents_reached(runs, seg_starts) -> set[int]:
     """The indices of the documents (starting at `seg_starts`, sorted) that global runs [a, b)
     reach: every one they touch, and at most one more (a run starting between documents counts
