@@ -17,7 +17,7 @@ MASKS = ("pareto", "docs-balanced")  # (bench_split's mixes and bench_strategies
 
 def test_cpu_smoke_run_and_replay(tmp_path):
     out = tmp_path / "train_step.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "bench_train_step.py"), "--device", "cpu", "--dim", "32", "--ffn", "64",
            "--heads", "4/2", "--head-dim", "16", "--seq", "2048", "--layers", "1", "--iters", "1",

@@ -18,7 +18,7 @@ def run_example(script: str, *args, timeout: float = 300) -> tuple[int, str]:
     from dist_harness import close_all
 
     close_all()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -239,6 +239,46 @@ def test_groups_destroyed_and_created_again(tmp_path):
         assert max(r["errs"]) < 1e-10, r
 
 
+def released_before_exit(store_dir: str):
+    """dtcp's own groups (made on its first call over a group) outlive the caller's destroyed
+    group only until the exit release, which runs at interpreter exit (atexit), not at
+    finalization: a gloo backend torn down while the interpreter finalizes can abort the process."""
+    import weakref
+
+    from dtcp.comm import groups
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    sub = dist.new_group(list(range(n)))
+    for g in (dist.group.WORLD, sub):
+        q, k, v, dout = _inputs(0, 4 * n)
+        layout = dtcp.Zigzag()
+        local = [layout.shard(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True).backward(layout.shard(dout, g, dim=2))
+    own = [weakref.ref(g) for _, _, g in groups._OWN_GROUPS]
+    del sub, g
+    dist.destroy_process_group()
+    alive_after_destroy = sum(ref() is not None for ref in own)
+    groups.release_at_exit()
+    alive_after_release = sum(ref() is not None for ref in own)
+    # (a world again, for the next test in this pool, and dtcp serves it)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), n), rank=r, world_size=n)
+    q, k, v, dout = _inputs(1, 4 * n)
+    layout = dtcp.Zigzag()
+    local = [layout.shard(t, None, dim=2) for t in (q, k, v)]
+    err = rel_err(dtcp.ring_attention(*local, layout=layout, is_causal=True, enable_gqa=True),
+                  layout.shard(_reference(q, k, v, dout, None)[0], None, dim=2))
+    return len(own), alive_after_destroy, alive_after_release, err
+
+
+def test_own_groups_released_before_exit(tmp_path):
+    for made, after_destroy, after_release, err in run_in_fresh_pool(2, released_before_exit, str(tmp_path),
+                                                                      timeout=300):
+        assert made == 2, made  # one of dtcp's own per caller's group
+        assert after_destroy == 2, after_destroy  # (what the release is for: dtcp still held them)
+        assert after_release == 0, after_release
+        assert err < 1e-10, err
+
+
 # ---- compile caches ---------------------------------------------------------------------------------
 
 def test_route_key_follows_the_source(tmp_path):

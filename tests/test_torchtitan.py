@@ -506,7 +506,7 @@ def _train(tmp_path, name, nproc, *args):
 
     close_all()  # the spawned rank pools of earlier tests would compete with the trainer for 2 cores
     log = tmp_path / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     initialised = "[GC] Initial GC collection"  # torchtitan logs it right after init_process_group

@@ -139,7 +139,7 @@ def _train(out, name, nproc, *args, batch: int = BATCH) -> dict[int, float]:
     except ImportError:
         pass
     log = out / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1",
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1",
                HF_HUB_OFFLINE="1", HF_HOME=str(out / "hf"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--tee", "3",
@@ -173,7 +173,7 @@ def seeded(tmp_path_factory):
     one = ["--parallelism.context_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1"]
     _train_seed = [*one, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
     log = out / "seed.log"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1",
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1",
                HF_HUB_OFFLINE="1", HF_HOME=str(out / "hf"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{_free_port()}", os.path.join(ROOT, "tests", "torchtitan03_cpu_train.py"),

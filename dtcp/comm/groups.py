@@ -14,7 +14,9 @@ dtcp can abort its communicator when a rank fails.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import weakref
 from typing import Optional
 
@@ -90,6 +92,9 @@ class GroupState:
 _STATES: "weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState]" = weakref.WeakKeyDictionary()
 # dtcp's own groups: (weak reference to the caller's group, its name, dtcp's group)
 _OWN_GROUPS: list = []
+# every GroupState made, weakly: a state whose group is gone drops out of _STATES but may live on in
+# a cycle (its routes hold it) until the cyclic collector runs; the exit release reaches it here
+_EVERY_STATE: "weakref.WeakSet[GroupState]" = weakref.WeakSet()
 
 
 def state_of(pg: "dist.ProcessGroup") -> GroupState:
@@ -97,6 +102,7 @@ def state_of(pg: "dist.ProcessGroup") -> GroupState:
     if state is None:
         _release_groups_of_gone_parents()
         state = _STATES[pg] = GroupState(pg)
+        _EVERY_STATE.add(state)
     return state
 
 
@@ -115,6 +121,38 @@ def _release_groups_of_gone_parents() -> None:
         else:
             _compat.destroy_group(own)
     _OWN_GROUPS[:] = keep
+
+
+def _parent_alive(state: GroupState) -> bool:
+    try:
+        return _compat.group_from_name(state.name) is state._pg()
+    except Exception:  # noqa: BLE001 - not registered any more
+        return False
+
+
+def release_at_exit() -> None:
+    """Let go of every dtcp group whose caller's group was destroyed, before the interpreter
+    finalizes: destroy it if torch still has it, drop the states' references to it (their ring
+    transports and routes) and collect the cycles that may still hold it. Its backend is then
+    torn down while Python still runs. Left to finalization, a gloo backend can abort the process
+    ("terminate called without an active exception", SIGABRT after a clean run): one of its
+    worker threads releasing a tensor needs the GIL, which a finalizing interpreter never gives
+    back. Groups whose caller's group is still alive are left as they are (torch owns their
+    teardown; destroying a communicator here could wait on a peer). Runs at exit, after the
+    watchdog stops; tests call it by hand."""
+    _release_groups_of_gone_parents()
+    for state in list(_EVERY_STATE):
+        if not _parent_alive(state):
+            state._comm_group = None
+            state.rings.clear()
+            getattr(state, "routes", {}).clear()
+    gc.collect()
+
+
+@atexit.register
+def _at_exit() -> None:
+    watchdog.stop_at_exit()  # (its thread reads the states released next)
+    release_at_exit()
 
 
 def all_states() -> list[GroupState]:

@@ -74,9 +74,10 @@ def _run() -> None:
 
 
 @atexit.register
-def _stop_at_exit() -> None:
+def stop_at_exit() -> None:
     """Stop the thread before the interpreter tears down CUDA and the stores it reads (a daemon
-    thread caught inside a CUDA or store call at exit takes the process down with it)."""
+    thread caught inside a CUDA or store call at exit takes the process down with it). Also run
+    by dtcp/comm/groups.py's exit release, before it lets go of the groups the thread watches."""
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=1.0)
