@@ -7,6 +7,7 @@ new document structure every step."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -227,9 +228,10 @@ def test_steps_the_placement_charges_are_the_planners(mix, world_size):
                     assert tuple(steps) == steps_of_runs([_local_order(p) for p in pieces], docs), (k, windows)
 
 
-@pytest.mark.parametrize("mix,world_size,seed", [("lognormal", 8, 4), ("lognormal", 16, 0), ("lognormal", 16, 3),
-                                                  ("pareto", 8, 3), ("pareto", 16, 2), ("pareto", 16, 3)])
-def test_windows_cut_where_they_make_the_slowest_rank_faster(mix, world_size, seed):
+@pytest.mark.parametrize("mix,world_size,seed,at_most", [
+    ("lognormal", 8, 4, 0.8), ("lognormal", 16, 0, 1.0), ("lognormal", 16, 3, 1.0),
+    ("pareto", 8, 3, 0.8), ("pareto", 16, 2, 0.8), ("pareto", 16, 3, 0.8)])
+def test_windows_cut_where_they_make_the_slowest_rank_faster(mix, world_size, seed, at_most):
     """A document whose causal work is over the mean rank's but too short for 2N chunks of
     MIN_CHUNK tokens used to stay whole (or split at a rank boundary, its second piece seeing all
     of the first), or the placement cut the longest documents over all N ranks, which gives every
@@ -237,7 +239,11 @@ def test_windows_cut_where_they_make_the_slowest_rank_faster(mix, world_size, se
     consecutive ranks (cyclically), chunks still >= MIN_CHUNK, and takes whichever candidate's
     slowest rank is fastest by `_rank_time` (work and steps). On these batches (8K tokens a rank)
     that beats every candidate without windows by >= 20% (measured on one H100: Pareto N = 16 and
-    log-normal N = 16, 13.2 -> 9.6 and 7.8 -> 5.7 ms for the slowest rank)."""
+    log-normal N = 16, 13.2 -> 9.6 and 7.8 -> 5.7 ms for the slowest rank). Since the last
+    documents fill the rooms along the ring (`_chain_fill`), the placements without windows of the
+    two log-normal batches at N = 16 are within 13% of the chosen one and as fast, where they were
+    1.3x and 1.6x slower: there the windows must not lose (`at_most` 1.0); the chosen placements'
+    own slowest ranks got faster on all six (tests/test_balanced.py, the fill's tests)."""
     from dtcp.layouts.balanced import _cut_counts, _place, _rank_time, placement_steps, placement_work
     n = world_size
     docs = _long_tailed(mix, n, seed)
@@ -248,7 +254,7 @@ def test_windows_cut_where_they_make_the_slowest_rank_faster(mix, world_size, se
                                                                           False)[1:]))
                           for k in _cut_counts(cuttable))
     chosen = max(_rank_time(w, s, MIN_CHUNK) for w, s in zip(placement_work(docs, n), placement_steps(docs, n)))
-    assert chosen <= 0.8 * without_windows, (chosen, without_windows)
+    assert chosen <= at_most * without_windows, (chosen, without_windows)
     placement = balanced_placement(docs, n)
     windows = 0
     for ds, de in segments_of(docs):
@@ -268,7 +274,7 @@ def test_windows_cut_where_they_make_the_slowest_rank_faster(mix, world_size, se
         # g consecutive ranks, cyclically: their offsets stay within g - 1 both ways
         assert any(sorted((s + j) % n for j in range(g)) == ranks for s in range(n)), ranks
         assert all(len(p) in (1, 2) for p in pieces.values())  # a zigzag pair (touching in the middle)
-    assert windows >= 1
+    assert windows >= 1 or at_most == 1.0  # (where windows no longer win, the placement may take none)
 
 
 def _bench_split():
@@ -319,6 +325,93 @@ def test_exact_fill():
     assert _exact_fill([], [0, 0]) == []
 
 
+def _check_chain_homes(lengths, rooms, homes):
+    """`_chain_fill`'s homes fill the rooms exactly; a document's pieces cover it in order, each on
+    the rank after the previous piece's among those with room, in ring order."""
+    n = len(rooms)
+    with_room = [r for r in range(n) if rooms[r]]
+    filled = [0] * n
+    for length, home in zip(lengths, homes):
+        if isinstance(home, int):
+            filled[home] += length
+            continue
+        assert len(home) >= 2 and home[0][1] == 0 and home[-1][2] == length, home
+        for (r, a, b), (q, c, _) in zip(home, home[1:]):
+            assert b == c and a < b, home
+            assert q == with_room[(with_room.index(r) + 1) % len(with_room)], (home, rooms)
+        for r, a, b in home:
+            filled[r] += b - a
+    assert filled == rooms, (filled, rooms)
+
+
+def test_chain_fill_fills_the_rooms_along_the_ring():
+    from dtcp.layouts.balanced import _chain_fill, _in_rank_order
+    rng = random.Random(0)
+    splits = 0
+    for _ in range(300):
+        n = rng.choice([2, 3, 4, 8])
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
+        cuts = sorted(rng.randint(0, sum(lengths)) for _ in range(n - 1))
+        rooms = [b - a for a, b in zip([0] + cuts, cuts + [sum(lengths)])]  # some empty
+        found = _chain_fill(lengths, rooms)
+        assert found is not None  # (any rank has room)
+        (farthest, passed), homes = found
+        _check_chain_homes(lengths, rooms, homes)
+        pieces = [h for h in homes if not isinstance(h, int)]
+        assert passed == sum(len(h) - 1 for h in pieces)
+        assert farthest == max([0] + [(q - r) % n for h in pieces for k, (q, _, _) in enumerate(h) for r, _, _ in h[:k]])
+        splits += passed
+        order = _in_rank_order(lengths, rooms)
+        _check_chain_homes(lengths, rooms, order)
+    assert splits > 100  # (the cases pass documents on)
+    # rooms of 6, 13, 13 and 1 tokens and one 33-token document (bench_strategies' log-normal at 32K
+    # over 4 ranks): in rank order it lies on all four ranks, the last attending three ranks back;
+    # with the shortest documents taken back (21, 36, 43: no exact fill) none lies on more than two
+    assert _in_rank_order([33], [6, 13, 13, 1]) == [[(0, 0, 6), (1, 6, 19), (2, 19, 32), (3, 32, 33)]]
+    (farthest, passed), homes = _chain_fill([33, 21, 36, 43], [6 + 36, 13 + 21, 13, 1 + 43])
+    _check_chain_homes([33, 21, 36, 43], [42, 34, 13, 44], homes)
+    assert farthest == 1, homes
+
+
+def test_last_rooms_filled_along_the_ring_cut_ring_steps():
+    """bench_strategies' 32K log-normal batch over 4 ranks left ranks rooms of 6, 13, 13 and 1
+    tokens, smaller than any document but a 33-token one: filled in rank order, it lay on all four
+    ranks, and the ring ran three rounds for its 110 pairs of work. The rooms are now filled along
+    the ring (each document on one rank or passed to the next), or exactly where short documents
+    taken back allow it: on bench_split's mixes the slowest rank (`_rank_time`) is never slower
+    than with the fill in rank order, and on a third or more of them faster (16 of 36 when
+    written)."""
+    import dtcp.layouts.balanced as balanced
+    from dtcp.layouts.balanced import _rank_time
+    B = _bench_split()
+    docs = B.lognormal_docs(32768, 0, 1.0)
+    assert max(placement_steps(docs, 4)) == 2, placement_steps(docs, 4)  # (the local step and offset 1)
+    for i, (ds, de) in enumerate(segments_of(docs)):
+        ranks = {r for r, runs in enumerate(balanced_placement(docs, 4)) for a, b in runs if max(a, ds) < min(b, de)}
+        assert len(ranks) <= 2 or de - ds >= 4 * MIN_CHUNK, (de - ds, ranks)  # (cut documents: 2g chunks)
+
+    def slowest(docs, n):
+        balanced._placement.cache_clear()
+        return max(_rank_time(w, s, MIN_CHUNK) for w, s in zip(placement_work(docs, n), placement_steps(docs, n)))
+
+    faster = cases = 0
+    real = balanced._chain_fill
+    try:
+        for s, seed, mix, n in itertools.product((32768, 131072), range(3), ("pareto", "lognormal"), (4, 8, 16)):
+            docs = B.pad_last((B.pareto_docs if mix == "pareto" else B.lognormal_docs)(s, seed, 1.0), n)
+            along = slowest(docs, n)
+            balanced._chain_fill = lambda lengths, rooms: None
+            in_rank_order = slowest(docs, n)
+            balanced._chain_fill = real
+            assert along <= in_rank_order, (mix, s, seed, n, along, in_rank_order)
+            faster += along < in_rank_order
+            cases += 1
+    finally:
+        balanced._chain_fill = real
+        balanced._placement.cache_clear()
+    assert 3 * faster >= cases, (faster, cases)
+
+
 def test_narrower_windows_leave_the_next_document_its_own():
     """The window search widens one document's window at a time: on bench_split's log-normal s1 at
     N = 8 (documents of 16.0K and 14.8K tokens, 16K a rank) the longest took ranks 0-4 and the next
@@ -367,13 +460,14 @@ def test_host_bound_ties_go_to_the_balanced_placement(monkeypatch):
     placement took the one sharing the fewest tokens whatever its work: on bench_split's
     log-normal s4 at N = 8 (eight steps a rank either way) a rank held 2.0x the mean's pairs. Ties
     are now broken by the device's time first (the GPU runs behind other work in a training step):
-    within the tolerance of the mean. (Without the narrower windows, which since give that batch
-    a placement of five steps: every candidate left then has eight.)"""
+    within the tolerance of the mean. (Without the narrower windows and the fill along the ring, which
+    since give that batch a placement of five steps: every candidate left then has eight.)"""
     import dtcp.layouts.balanced as balanced
     B = _bench_split()
     docs = B.pad_last(B.lognormal_docs(131072, 4, 1.0), 16)
     total = sum(_causal_pairs(0, d) for d in docs)
     monkeypatch.setattr(balanced, "WIDEST_TRIED", ())
+    monkeypatch.setattr(balanced, "_chain_fill", lambda lengths, rooms: None)
     balanced._placement.cache_clear()
     try:
         work = placement_work(docs, 8)
@@ -397,9 +491,9 @@ def test_spec_round_trip_and_errors():
 
 # ---- exactness on ranks ------------------------------------------------------------------------------
 
-def balanced_errors(docs, strategy, window=(-1, -1), heads=(4, 2), d=8, backend="auto"):
+def balanced_errors(docs, strategy, window=(-1, -1), heads=(4, 2), d=8, backend="auto", min_chunk=1):
     n = dist.get_world_size()
-    layout = dtcp.Balanced(tuple(docs), min_chunk=1)  # tiny documents get cut too: the cut path runs
+    layout = dtcp.Balanced(tuple(docs), min_chunk=min_chunk)  # (1: tiny documents get cut too: the cut path runs)
     s = sum(docs)
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, h, s, d, generator=g, dtype=torch.float64) for h in (heads[0], heads[1], heads[1], heads[0]))
@@ -433,6 +527,31 @@ def test_balanced_exact(world_size, docs, strategy):
     # Ulysses needs Hq a multiple of N and Hkv a multiple or divisor of N
     heads = (2 * world_size, world_size) if strategy == "ulysses" else (4, 2)
     for r in run_ranks(world_size, balanced_errors, docs, strategy, heads=heads):
+        for key in KEYS:
+            assert r[key] < 1e-10, (key, r)
+
+
+# placements whose last rooms are filled along the ring (`_chain_fill`), unlike in rank order:
+# documents passed on to the next rank with room (and on past it)
+CHAIN_FILLED = [  # (world size, documents, min_chunk)
+    (4, (5, 4, 7, 19, 4, 17), 2),
+    (4, (6, 5, 6, 4, 11, 11, 13), 4),
+    (8, (7, 14, 4, 13, 6, 10, 4, 6, 5, 5, 14, 8), 4),
+]
+
+
+@pytest.mark.parametrize("world_size,docs,min_chunk", CHAIN_FILLED, ids=str)
+def test_balanced_chain_filled_exact(world_size, docs, min_chunk, monkeypatch):
+    import dtcp.layouts.balanced as balanced
+    placement = balanced_placement(docs, world_size, min_chunk)
+    monkeypatch.setattr(balanced, "_chain_fill", lambda lengths, rooms: None)
+    balanced._placement.cache_clear()
+    try:
+        assert balanced_placement(docs, world_size, min_chunk) != placement  # (the fill along the ring made it)
+    finally:
+        balanced._placement.cache_clear()
+    monkeypatch.undo()
+    for r in run_ranks(world_size, balanced_errors, docs, "ring", min_chunk=min_chunk):
         for key in KEYS:
             assert r[key] < 1e-10, (key, r)
 

@@ -335,34 +335,84 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         rest_work += _causal_pairs(0, rest[i][0])
         rest_tokens += rest[i][0]
 
-    def refill(leftover: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The documents that fit nowhere whole, placed whole after all where possible: the
-        shortest documents placed whole are taken back (2N, 4N, ... of them) until they and the
-        leftover fill every rank's free room exactly (`_exact_fill`). Placed longest first by
-        work, the whole documents leave the last few rooms a few tokens each (log-normal, N = 8:
-        1 to 17 tokens on six ranks), which split the last documents over up to five ranks; the
-        short documents taken back cost little work wherever they go. Returns what is still
-        left over (no exact fill among the documents shorter than min_chunk)."""
+    def refill(leftover: list[tuple[int, int]]) -> None:
+        """Place the documents that fit nowhere whole, with no new ring step where possible:
+        short documents placed whole are taken back (the 2N shortest of all, then twice as many,
+        ..., then the same with each rank's shortest, ...) until they and the leftover fill every
+        rank's free room exactly (`_exact_fill`). Where no such fill is found, the rooms are filled along the ring
+        (`_chain_fill`, a document passed on from a rank to the next with room), with no
+        take-back and with the first, or in rank order and document order (a document spanning
+        as many ranks as it needs): whichever leaves the slowest rank fastest (`_rank_time`), then
+        the fewest steps in all.
+        Placed longest first by work, the whole documents leave the last few rooms a few tokens
+        each (log-normal, N = 8: 1 to 17 tokens on six ranks), often smaller than any document;
+        in rank order they split the last documents over up to eleven ranks (as many steps on
+        the last one). The short documents taken back cost little work wherever they go."""
         shortest = sorted(d for d in placed if d[0] < min_chunk)
-        take = 2 * n
+        own = [[d for d in shortest if d[2] == r] for r in range(n)]  # each rank's, shortest first
+        tries, with_own, take, each = [], [], 2 * n, 1
         while True:
-            back = shortest[:take]
+            tries.append(shortest[:take])
+            with_own.append(sorted(set(shortest[:take]).union(*(o[:each] for o in own))))
+            if take >= len(shortest):
+                break
+            take, each = take * 2, each * 2
+        # (the shortest of all first: where they fill the rooms, the placement is the one every
+        # run measured before each rank's own were taken back too)
+        tries += [back for back in with_own if back not in tries]
+
+        def fill_with(back):
             rooms = [per_rank - t for t in tokens]
             for length, _, rank in back:
                 rooms[rank] += length
-            pool = [length for _, length in leftover] + [length for length, _, _ in back]
-            homes = _exact_fill(pool, rooms)
+            return rooms, leftover + [(s, l) for l, s, _ in back]
+
+        def apply(back, docs, homes, work, offsets) -> None:
+            for length, _, rank in back:
+                work[rank] -= _causal_pairs(0, length)
+            for (start, length), home in zip(docs, homes):
+                if isinstance(home, int):
+                    work[home] += _causal_pairs(0, length)
+                    continue
+                for k, (rank, a, b) in enumerate(home):  # each piece attends to the pieces before it
+                    work[rank] += _causal_pairs(a, b)
+                    offsets[rank].update((rank - r) % n for r, _, _ in home[:k] if r != rank)
+
+        def slowest(option) -> tuple[float, int]:
+            """The slowest rank's time with this fill, then all ranks' steps (the fewer, the better)."""
+            w, o = list(work), [set(x) for x in offsets]
+            apply(*option, w, o)
+            return max(_rank_time(w[r], 1 + len(o[r]), min_chunk) for r in range(n)), sum(map(len, o))
+
+        chosen = None
+        for back in tries:
+            rooms, docs = fill_with(back)
+            homes = _exact_fill([length for _, length in docs], rooms)
             if homes is not None:
-                for length, start, rank in back:
-                    pieces[rank].remove(((start, start + length), 2))
-                    tokens[rank] -= length
-                    work[rank] -= _causal_pairs(0, length)
-                for (start, length), rank in zip(leftover + [(s, l) for l, s, _ in back], homes):
-                    put(rank, start, 0, length, 2)
-                return []
-            if take >= len(shortest):
-                return leftover
-            take *= 2
+                chosen = back, docs, homes
+                break
+        else:
+            rooms, _ = fill_with([])
+            docs = sorted(leftover)  # (in document order)
+            options = [([], docs, _in_rank_order([length for _, length in docs], rooms))]
+            for back in [[]] + with_own[:1]:
+                rooms, docs = fill_with(back)
+                found = _chain_fill([length for _, length in docs], rooms)
+                if found is not None:
+                    options.append((back, docs, found[1]))
+            chosen = min(options, key=slowest)
+        back, docs, homes = chosen
+        for length, start, rank in back:
+            pieces[rank].remove(((start, start + length), 2))
+            tokens[rank] -= length
+            work[rank] -= _causal_pairs(0, length)
+        for (start, length), home in zip(docs, homes):
+            if isinstance(home, int):
+                put(home, start, 0, length, 2)
+                continue
+            for k, (rank, a, b) in enumerate(home):
+                put(rank, start, a, b, 1)
+                offsets[rank].update((rank - r) % n for r, _, _ in home[:k] if r != rank)
 
     placed: list[tuple[int, int, int]] = []  # (length, start, rank) of each document placed whole
     leftover = []
@@ -397,20 +447,7 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         else:
             leftover.append((start, length))
     if leftover:
-        leftover = refill(leftover)
-    # What fits nowhere whole even then fills the remaining room in rank order, in document order;
-    # a piece attends to the pieces before it.
-    rank = 0
-    for start, length in sorted(leftover):
-        offset, holders = 0, []
-        while offset < length:
-            while per_rank - tokens[rank] == 0:
-                rank += 1
-            take = min(length - offset, per_rank - tokens[rank])
-            put(rank, start, offset, offset + take, 2 if take == length else 1)
-            offsets[rank].update((rank - h) % n for h in holders if h != rank)
-            holders.append(rank)
-            offset += take
+        refill(leftover)
     return pieces, work, [1 + len(o) for o in offsets]
 
 
@@ -438,6 +475,138 @@ def _exact_fill(lengths: list[int], rooms: list[int]) -> Optional[list[int]]:
                 homes[items[j - 1]] = rank
                 room -= lengths[items[j - 1]]
     return None if any(h is None for h in homes) else homes
+
+
+def _subset_sums(lengths: list[int], limit: int) -> list[int]:
+    """Prefix bitsets of the sums reachable (up to `limit`) with the first i lengths, i = 0..len."""
+    mask = (1 << (limit + 1)) - 1
+    reach = [1]
+    for length in lengths:
+        reach.append((reach[-1] | (reach[-1] << length)) & mask)
+    return reach
+
+
+def _pick(lengths: list[int], reach: list[int], total: int) -> list[int]:
+    """Indices into `lengths` of a subset summing to `total` (reachable in `reach`, `_subset_sums`)."""
+    chosen = []
+    for j in range(len(lengths), 0, -1):  # the sum stays reachable without item j: skip it
+        if not reach[j - 1] >> total & 1:
+            chosen.append(j - 1)
+            total -= lengths[j - 1]
+    return chosen
+
+
+#: the ranks `_chain_fill` visits, at most, in its search (host time, once per batch and candidate)
+CHAIN_FILL_VISITS = 200
+#: the splits it tries at each rank: the shortest documents that can pass on to the next rank
+CHAIN_FILL_BRANCHES = 3
+
+
+def _chain_fill(lengths: list[int], rooms: list[int]):
+    """A home for each document such that the rooms (which sum to the lengths) are filled
+    exactly: a rank (whole), or pieces [(rank, start, end), ...] over ranks that follow each other
+    among those with room, in ring order. Returns ((farthest, splits), homes): `farthest` the
+    largest ring offset at which a piece's rank attends to an earlier piece's (each distinct one
+    is a ring step for it), `splits` how many ranks take a piece passed on; or None (no rank has
+    room).
+
+    From each start in turn the ranks with room are walked in ring order: a rank takes what the
+    previous one passed on, then documents that fill the rest exactly, or else the most tokens of
+    whole documents that leave a gap some other document fills and passes on to the next rank
+    (the `CHAIN_FILL_BRANCHES` shortest such documents whose rest fits there are tried in turn,
+    and the shortest longer than the gap, whose rest goes on further, last). Depth first, at most
+    `CHAIN_FILL_VISITS` ranks in all; branches that cannot beat the best so far are cut. Documents
+    are taken longest first, so that the short ones stay for the gaps."""
+    n = len(rooms)
+    visits = [CHAIN_FILL_VISITS]
+    best: list = [None]
+
+    def walk(order, pos, left, carry, homes, farthest, splits):
+        """Fill order[pos:]; `carry`: (document, pieces so far) or None."""
+        if best[0] is not None and (farthest, splits) >= best[0][0]:
+            return
+        if pos == len(order):
+            if not left and carry is None:
+                best[0] = ((farthest, splits), homes)
+            return
+        visits[0] -= 1
+        if visits[0] < 0 and best[0] is not None:  # (the first walk always ends in a fill: below)
+            return
+        rank, room = order[pos], rooms[order[pos]]
+        if carry is not None:
+            i, pieces = carry
+            done = pieces[-1][2]
+            take = min(lengths[i] - done, room)
+            pieces = pieces + [(rank, done, done + take)]
+            farthest = max(farthest, max((rank - r) % n for r, _, _ in pieces[:-1]))
+            splits += 1
+            room -= take
+            if done + take < lengths[i]:  # it goes on past this rank too
+                walk(order, pos + 1, left, (i, pieces), homes, farthest, splits)
+                return
+            homes = dict(homes)
+            homes[i] = pieces
+        items = [lengths[i] for i in left]
+        reach = _subset_sums(items, room)
+        options = []  # (the whole documents taken, the one passed on with its tokens here, or None)
+        if reach[-1] >> room & 1:
+            options.append((set(_pick(items, reach, room)), None))
+        elif pos + 1 < len(order):
+            after = rooms[order[pos + 1]]
+            shortest = sorted(range(len(items)), key=lambda j: (items[j], j))
+            for j in shortest:
+                # document j passed on: the whole ones sum to t in (room - its length, room - 1],
+                # its rest (length - (room - t)) fits the next rank: the largest such t
+                lo, hi = max(0, room - items[j] + 1), min(room - 1, room - items[j] + after)
+                window = reach[-1] >> lo & ((1 << (hi - lo + 1)) - 1) if lo <= hi else 0
+                if window:
+                    total = lo + window.bit_length() - 1
+                    picked = set(_pick(items, reach, total))
+                    if j not in picked:  # (in the one subset of that sum this search looks at)
+                        options.append((picked, (j, room - total)))
+                        if len(options) == CHAIN_FILL_BRANCHES:
+                            break
+            # and the shortest that goes on past the next rank, after the largest sum below the
+            # room: there always is one (the documents left hold at least the room, and adding any
+            # outside that sum would pass it), so no walk ends before the last rank
+            total = (reach[-1] & ((1 << room) - 1)).bit_length() - 1
+            picked = set(_pick(items, reach, total))
+            over = [j for j in shortest if j not in picked and items[j] > room - total]
+            if over:
+                options.append((picked, (over[0], room - total)))
+        for picked, passed in options:
+            placed = dict(homes)
+            placed.update((left[j], rank) for j in picked)
+            rest = [left[j] for j in range(len(left)) if j not in picked and (passed is None or j != passed[0])]
+            nxt = None if passed is None else (left[passed[0]], [(rank, 0, passed[1])])
+            walk(order, pos + 1, rest, nxt, placed, farthest, splits)
+
+    for s in range(n):
+        order = [(s + i) % n for i in range(n) if rooms[(s + i) % n]]
+        if order and order[0] == s:
+            walk(order, 0, sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), None, {}, 0, 0)
+        if visits[0] < 0 or (best[0] is not None and best[0][0][0] <= 1):  # (neighbours only: good enough)
+            break
+    if best[0] is None:
+        return None
+    score, homes = best[0]
+    return score, [homes[i] for i in range(len(lengths))]
+
+
+def _in_rank_order(lengths: list[int], rooms: list[int]) -> list:
+    """`_chain_fill`'s homes for the rooms filled in rank order, the documents in the order given,
+    each spanning as many ranks as it needs."""
+    homes, rank, used = [], 0, 0
+    for length in lengths:
+        pieces, done = [], 0
+        while done < length:
+            while used == rooms[rank]:
+                rank, used = rank + 1, 0
+            take = min(length - done, rooms[rank] - used)
+            pieces.append((rank, done, done + take))
+            done, used = done + take, used + take
+        homes.append(pieces[0][0] if len(pieces) == 1 else pieces)
+    return homes
 
 
 def _offsets(rank: int, ranks, n: int) -> set[int]:
