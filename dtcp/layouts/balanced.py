@@ -497,7 +497,7 @@ def _pick(lengths: list[int], reach: list[int], total: int) -> list[int]:
 
 
 #: the ranks `_chain_fill` visits, at most, in its search (host time, once per batch and candidate)
-CHAIN_FILL_VISITS = 200
+CHAIN_FILL_VISITS = 64
 #: the splits it tries at each rank: the shortest documents that can pass on to the next rank
 CHAIN_FILL_BRANCHES = 3
 
