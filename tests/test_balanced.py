@@ -360,7 +360,8 @@ def test_chain_fill_fills_the_rooms_along_the_ring():
         _check_chain_homes(lengths, rooms, homes)
         pieces = [h for h in homes if not isinstance(h, int)]
         assert passed == sum(len(h) - 1 for h in pieces)
-        assert farthest == max([0] + [(q - r) % n for h in pieces for k, (q, _, _) in enumerate(h) for r, _, _ in h[:k]])
+        offsets = [(q - r) % n for h in pieces for k, (q, _, _) in enumerate(h) for r, _, _ in h[:k]]
+        assert farthest == max([0] + offsets)
         splits += passed
         order = _in_rank_order(lengths, rooms)
         _check_chain_homes(lengths, rooms, order)

@@ -253,9 +253,10 @@ def released_before_exit(store_dir: str):
         q, k, v, dout = _inputs(0, 4 * n)
         layout = dtcp.Zigzag()
         local = [layout.shard(t, g, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True).backward(layout.shard(dout, g, dim=2))
+        out = dtcp.ring_attention(*local, g, layout=layout, is_causal=True, enable_gqa=True)
+        out.backward(layout.shard(dout, g, dim=2))
     own = [weakref.ref(g) for _, _, g in groups._OWN_GROUPS]
-    del sub, g
+    del sub, g, out
     dist.destroy_process_group()
     alive_after_destroy = sum(ref() is not None for ref in own)
     groups.release_at_exit()

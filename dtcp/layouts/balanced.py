@@ -11,8 +11,9 @@ neither blindly. For the batch's document lengths it builds candidate placements
 * every other document, longest first, is *placed whole* on the rank with the least work among
   those with room for it; what fits nowhere goes whole after all where the shortest documents
   placed so far, taken back, and it can fill every rank's remaining room exactly (`_exact_fill`);
-  only what still fits nowhere fills the remaining room in rank order, split at rank boundaries
-  (a piece then sees its earlier piece one rank back);
+  only what still fits nowhere fills the remaining room along the ring, each such document on
+  one rank or passed on to the next rank with room (`_chain_fill`: its second piece sees the
+  first one rank back), or in rank order where that leaves the slowest rank faster;
 * or, in a second candidate for each k, a document that would overload its best whole home (or
   has none) goes whole there or is cut zigzag-style over a *window* of g consecutive ranks
   (cyclically; 2g chunks), whichever makes the slowest of them fastest. A window needs ring
@@ -339,15 +340,15 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
         """Place the documents that fit nowhere whole, with no new ring step where possible:
         short documents placed whole are taken back (the 2N shortest of all, then twice as many,
         ..., then the same with each rank's shortest, ...) until they and the leftover fill every
-        rank's free room exactly (`_exact_fill`). Where no such fill is found, the rooms are filled along the ring
-        (`_chain_fill`, a document passed on from a rank to the next with room), with no
-        take-back and with the first, or in rank order and document order (a document spanning
-        as many ranks as it needs): whichever leaves the slowest rank fastest (`_rank_time`), then
-        the fewest steps in all.
-        Placed longest first by work, the whole documents leave the last few rooms a few tokens
-        each (log-normal, N = 8: 1 to 17 tokens on six ranks), often smaller than any document;
-        in rank order they split the last documents over up to eleven ranks (as many steps on
-        the last one). The short documents taken back cost little work wherever they go."""
+        rank's free room exactly (`_exact_fill`). Where no such fill is found, the rooms are
+        filled along the ring (`_chain_fill`: a document passed on from a rank to the next with
+        room), with no take-back and with the first, or in rank order and document order (a
+        document spanning as many ranks as it needs): whichever leaves the slowest rank fastest
+        (`_rank_time`), then the fewest steps in all. Placed longest first by work, the whole
+        documents leave the last few rooms a few tokens each (log-normal, N = 8: 1 to 17 tokens
+        on six ranks), often smaller than any document; in rank order they split the last
+        documents over up to eleven ranks (as many steps on the last one). The short documents
+        taken back cost little work wherever they go."""
         shortest = sorted(d for d in placed if d[0] < min_chunk)
         own = [[d for d in shortest if d[2] == r] for r in range(n)]  # each rank's, shortest first
         tries, with_own, take, each = [], [], 2 * n, 1
@@ -367,21 +368,25 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
                 rooms[rank] += length
             return rooms, leftover + [(s, l) for l, s, _ in back]
 
-        def apply(back, docs, homes, work, offsets) -> None:
-            for length, _, rank in back:
-                work[rank] -= _causal_pairs(0, length)
+        def each_piece(docs, homes):
+            """(rank, document start, [a, b) in it, group, the ranks of its earlier pieces) of
+            every piece a fill places: a passed-on piece attends to the pieces before it."""
             for (start, length), home in zip(docs, homes):
                 if isinstance(home, int):
-                    work[home] += _causal_pairs(0, length)
+                    yield home, start, 0, length, 2, ()
                     continue
-                for k, (rank, a, b) in enumerate(home):  # each piece attends to the pieces before it
-                    work[rank] += _causal_pairs(a, b)
-                    offsets[rank].update((rank - r) % n for r, _, _ in home[:k] if r != rank)
+                for k, (rank, a, b) in enumerate(home):
+                    yield rank, start, a, b, 1, [r for r, _, _ in home[:k] if r != rank]
 
         def slowest(option) -> tuple[float, int]:
             """The slowest rank's time with this fill, then all ranks' steps (the fewer, the better)."""
+            back, docs, homes = option
             w, o = list(work), [set(x) for x in offsets]
-            apply(*option, w, o)
+            for length, _, rank in back:
+                w[rank] -= _causal_pairs(0, length)
+            for rank, _, a, b, _, earlier in each_piece(docs, homes):
+                w[rank] += _causal_pairs(a, b)
+                o[rank].update((rank - r) % n for r in earlier)
             return max(_rank_time(w[r], 1 + len(o[r]), min_chunk) for r in range(n)), sum(map(len, o))
 
         chosen = None
@@ -406,13 +411,9 @@ def _place(by_length, cut: int, n: int, per_rank: int, min_chunk: int, windows: 
             pieces[rank].remove(((start, start + length), 2))
             tokens[rank] -= length
             work[rank] -= _causal_pairs(0, length)
-        for (start, length), home in zip(docs, homes):
-            if isinstance(home, int):
-                put(home, start, 0, length, 2)
-                continue
-            for k, (rank, a, b) in enumerate(home):
-                put(rank, start, a, b, 1)
-                offsets[rank].update((rank - r) % n for r, _, _ in home[:k] if r != rank)
+        for rank, start, a, b, group, earlier in each_piece(docs, homes):
+            put(rank, start, a, b, group)
+            offsets[rank].update((rank - r) % n for r in earlier)
 
     placed: list[tuple[int, int, int]] = []  # (length, start, rank) of each document placed whole
     leftover = []
