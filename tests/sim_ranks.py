@@ -22,9 +22,11 @@ def segments_of(docs):
     return tuple(out)
 
 
-def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None):
+def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None,
+                   kv_dtype=None):
     """Full tensors q, k, v, dout (1, H, S, D) -> (out, lse, dq, dk, dv) in global token order,
-    computed by N simulated ranks of the ring (each rank's shards, plan and kernel calls)."""
+    computed by N simulated ranks of the ring (each rank's shards, plan and kernel calls).
+    `kv_dtype`: ring_backward's (dk and dv in it)."""
     s = q.shape[2]
     local_len = s // n
     scale = scale if scale is not None else q.shape[-1] ** -0.5
@@ -42,10 +44,11 @@ def simulated_ring(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(
         qr, kr, vr, dr = (shard(t, r) for t in (q, k, v, dout))
         if grouped(plans[r], kern, size):
             out, lse = grouped_forward(qr, kr, vr, plans[r], kern, scale, comm, size=size)
-            dq, dk, dv = grouped_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm, size=size)
+            dq, dk, dv = grouped_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm, kv_dtype=kv_dtype,
+                                          size=size)
         else:
             out, lse = ring_forward(qr, kr, vr, plans[r], kern, scale, comm)
-            dq, dk, dv = ring_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm)
+            dq, dk, dv = ring_backward(dr, qr, kr, vr, out, lse, plans[r], kern, scale, comm, kv_dtype=kv_dtype)
         return out, lse, dq, dk, dv
 
     results = SimulatedRing(n).run(rank_fn)
@@ -105,7 +108,7 @@ def simulated_allgather_tasks(layout, n, q, k, v, dout, kernel, *, is_causal=Tru
 
 
 def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, window=(-1, -1), docs=None, scale=None,
-                        exchange=True):
+                        exchange=True, kv_dtype=None):
     """As simulated_ring, for the all-gather schedule as one varlen call per rank (documents:
     dtcp/exec/allgather.py varlen_forward/varlen_backward), one thread per rank. With `exchange`
     (dtcp.config.allgather_exchange, the default) each rank's plan moves only the keys other
@@ -129,6 +132,8 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
         raise NotImplementedError(why)
     shard = lambda t, r: t.index_select(2, layout.global_positions(s, n, r).to(t.device)).contiguous()  # noqa: E731
     shards = [[shard(t, r) for t in (q, k, v, dout)] for r in range(n)]
+    if not exchange and kv_dtype is not None:
+        raise NotImplementedError("kv_dtype with exchange=False (the simulated reduce-scatter casts itself)")
     if not exchange:
         gathered = torch.cat([torch.stack((kr.transpose(1, 2), vr.transpose(1, 2))) for _, kr, vr, _ in shards])
         ranks = iter(plans)
@@ -150,7 +155,7 @@ def simulated_allgather(layout, n, q, k, v, dout, kernel, *, is_causal=True, win
         qr, kr, vr, dr = shards[r]
         try:  # (the rank goes where the process group goes: the simulated exchange reads it)
             out, lse, _ = ag.varlen_forward(qr, kr, vr, r, plans[r], kern, scale)
-            dq, dk, dv = ag.varlen_backward(dr, qr, kr, vr, out, lse, r, plans[r], kern, scale)
+            dq, dk, dv = ag.varlen_backward(dr, qr, kr, vr, out, lse, r, plans[r], kern, scale, kv_dtype=kv_dtype)
         except BaseException:
             rows.barrier.abort()
             raise

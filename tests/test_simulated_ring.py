@@ -184,3 +184,71 @@ def test_fused_accumulators_start_as_the_local_launch(monkeypatch):
                                               AttnMask.make(True, window, segments_of(docs)))
                    for s in F.fused_steps(p, KERNELS["math"], torch.device("cpu")))
     assert len(merges) == launches - n  # every launch merges but each rank's first
+
+
+# ---- dK/dV handed over unrounded (kv_dtype): replicated K/V heads of the head exchange ----------
+
+def _bf16(n_tokens, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h, n_tokens, 8, generator=g).to(torch.bfloat16) for h in heads]
+
+
+def _assert_unrounded(base, wide):
+    """`wide` (kv_dtype=float32) against `base` (the call without it), both on bfloat16 inputs:
+    out, lse and dq the same bits; dk and dv float32 whose rounding to bfloat16 is, bit for bit,
+    base's (the same sums, the one rounding left to the caller), and which hold more bits than
+    bfloat16 somewhere (keys that took several shares)."""
+    for a, b in zip(base[:3], wide[:3]):
+        assert torch.equal(a, b)
+    assert all(t.dtype == torch.bfloat16 for t in base[3:]) and all(t.dtype == torch.float32 for t in wide[3:])
+    for a, b in zip(base[3:], wide[3:]):
+        assert torch.equal(b.to(torch.bfloat16), a)
+    assert any(not torch.equal(b, b.to(torch.bfloat16).float()) for b in wide[3:])
+
+
+@pytest.mark.parametrize("n,layout,docs,window", CASES, ids=str)
+@pytest.mark.parametrize("one_launch,size", [(False, 1), (True, 1), (True, 2)], ids=["tasks", "launches", "groups"])
+def test_ring_hands_dkv_over_unrounded(n, layout, docs, window, one_launch, size, monkeypatch):
+    """ring_backward and grouped_backward with kv_dtype=float32 (what the head exchange asks of its
+    inner ring where K/V heads are replicated: exec/route.py `_heads_backward`), on bfloat16: the
+    local step's own results (task by task), the first launch's direct results (fused) and the
+    groups' (ring_steps_per_launch) all widened exactly, every sum unrounded."""
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", one_launch)
+    q, k, v, dout = _bf16(sum(docs) if docs else 8 * n, (4, 2, 2, 4), seed=11)
+    with dtcp.config.override(ring_steps_per_launch=size):
+        base = simulated_ring(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs)
+        wide = simulated_ring(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs,
+                              kv_dtype=torch.float32)
+    _assert_unrounded(base, wide)
+
+
+@pytest.mark.parametrize("n,layout,docs,window", [c for c in CASES if c[2] is not None], ids=str)
+def test_allgather_over_documents_hands_dkv_over_unrounded(n, layout, docs, window, monkeypatch):
+    """varlen_backward with kv_dtype=float32 (the key exchange's dK/dV sums) on bfloat16."""
+    monkeypatch.setattr(type(KERNELS["math"]), "varlen_one_launch", True)
+    q, k, v, dout = _bf16(sum(docs), (4, 2, 2, 4), seed=12)
+    base = simulated_allgather(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs)
+    wide = simulated_allgather(layout, n, q, k, v, dout, KERNELS["math"], window=window, docs=docs,
+                               kv_dtype=torch.float32)
+    _assert_unrounded(base, wide)
+
+
+@pytest.mark.parametrize("replicated", [True, False])
+def test_head_exchange_asks_its_inner_schedule_for_float32_sums(replicated, monkeypatch):
+    """The head exchange's backward asks its inner schedule for float32 dK/dV exactly where it sums
+    a K/V head's replicas (Hkv < U) under half inputs, and its results are the inputs' dtype."""
+    from dtcp.exec import route as R
+    asked = []
+    real = R._backward
+
+    def spy(*args, kv_dtype=None):
+        asked.append(kv_dtype)
+        return real(*args, kv_dtype=kv_dtype)
+
+    monkeypatch.setattr(R, "_backward", spy)
+    n = 4
+    heads = (2 * n, 2, 2, 2 * n) if replicated else (2 * n, n, n, 2 * n)
+    q, k, v, dout = _bf16(8 * n, heads, seed=13)
+    got = simulated_ulysses(dtcp.Zigzag(), n, q, k, v, dout, KERNELS["math"])
+    assert asked == [torch.float32 if replicated else None] * n, asked
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]

@@ -156,9 +156,10 @@ def allgather_forward(q, k, v, pg, plan: AllGatherPlan, kernel: Kernel, scale: f
 
 
 def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel: Kernel, scale: float,
-                       kv: Optional[tuple] = None, softcap=None):
+                       kv: Optional[tuple] = None, softcap=None, kv_dtype=None):
     """Gradients of allgather_forward, given its final out and lse (kv: the (K, V) it gathered and
-    kept, or None to gather again). Returns dq, dk, dv in the input dtypes."""
+    kept, or None to gather again). Returns dq, dk, dv in the input dtypes, or dk and dv (float32
+    sums) in `kv_dtype`: not rounded for a caller that sums them again (route.py `_heads_backward`)."""
     acc = acc_dtype(q.dtype)
     b, h, _, d = k.shape
     if kv is None:
@@ -203,7 +204,7 @@ def allgather_backward(dout, q, k, v, out, lse, pg, plan: AllGatherPlan, kernel:
     del dkv_all
     dk, dv = _unpacked(reduce_scatter_dkv(send, pg, plan.world_size), d)
     # copy=True: fresh dk and dv even when no cast is needed (outputs must not alias each other)
-    return dq, dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+    return dq, dk.to(kv_dtype or k.dtype, copy=True), dv.to(kv_dtype or v.dtype, copy=True)
 
 
 # ---- one varlen call --------------------------------------------------------------------------------
@@ -390,9 +391,9 @@ def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, 
 
 
 def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
-                    kv: Optional[torch.Tensor] = None, softcap=None):
+                    kv: Optional[torch.Tensor] = None, softcap=None, kv_dtype=None):
     """Gradients of varlen_forward (kv: the packed K/V it gathered and kept, or None to gather again).
-    Returns dq, dk, dv in the input dtypes."""
+    Returns dq, dk, dv in the input dtypes, or dk and dv sums in `kv_dtype` (allgather_backward's)."""
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
     n = plan.world_size
@@ -404,7 +405,7 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     into = {}
     if b == 1:
         into["dq"] = _pack_rows(torch.empty(q.shape, dtype=q.dtype, device=q.device))
-        if packing.identity:
+        if packing.identity and kv_dtype is None:
             into["dk"] = _pack_rows(torch.empty(k.shape, dtype=k.dtype, device=k.device))
             into["dv"] = _pack_rows(torch.empty(v.shape, dtype=v.dtype, device=v.device))
     got = kernel.varlen_backward_into(
@@ -415,9 +416,11 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     del kv, got
     dq = _rows_result(dq, q, b == 1)
     if packing.identity:  # each key's one share, in the rank's own order
+        if kv_dtype is not None:  # (the kernel's own dtype widened, not rounded to the inputs' first)
+            return dq, _unpack_rows(dk, k.shape, kv_dtype), _unpack_rows(dv, v.shape, kv_dtype)
         return dq, _rows_result(dk, k, b == 1), _rows_result(dv, v, b == 1)
     if packing.pool_row is not None:  # only the keys other ranks read moved
-        return dq, *_exchanged_dkv(dk, dv, k, v, pg, packing)
+        return dq, *_exchanged_dkv(dk, dv, k, v, pg, packing, kv_dtype)
     # Sum the sequences' shares per key (a key two sequences share appears twice) in float32,
     # straight into the rank-major layout the reduce-scatter sends: one Triton kernel on CUDA, each
     # row written once (exec/rowsum.py); else a zero fill and indexed accumulates. (Into the flat
@@ -426,11 +429,11 @@ def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kerne
     sum_rows_into(dkv.view(n * 2 * b * l_len, h, d), dk, dv, packing.sources, packing.dk_row, packing.dv_row)
     del dk, dv
     mine = reduce_scatter_dkv(dkv.view(n * 2, b, l_len, h, d), pg, n)
-    return (dq, _contiguous(mine[0].transpose(1, 2), k.dtype),
-            _contiguous(mine[1].transpose(1, 2), v.dtype))
+    return (dq, _contiguous(mine[0].transpose(1, 2), kv_dtype or k.dtype),
+            _contiguous(mine[1].transpose(1, 2), kv_dtype or v.dtype))
 
 
-def _exchanged_dkv(dk, dv, k, v, pg, packing: _Packing) -> tuple[torch.Tensor, torch.Tensor]:
+def _exchanged_dkv(dk, dv, k, v, pg, packing: _Packing, kv_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of this rank's keys from the launch's packed shares (T_k, Hkv, D), where only the
     keys other ranks read moved: the shares summed per pool row in float32, the received rows'
     sums sent back to their ranks, and the sums of this rank's rows that other ranks read added
@@ -446,8 +449,8 @@ def _exchanged_dkv(dk, dv, k, v, pg, packing: _Packing) -> tuple[torch.Tensor, t
         got = exchange_rows(back, packing.recv_splits, packing.send_splits, pg, "grad")  # (S, 2, Hkv, D)
         if got.shape[0]:  # (deterministic: the sorted accumulate)
             flat.index_put_((packing.return_row,), torch.cat((got[:, 0], got[:, 1])), accumulate=True)
-    return (_contiguous(dkv[0, :own].view(b, l_len, h, d).transpose(1, 2), k.dtype),
-            _contiguous(dkv[1, :own].view(b, l_len, h, d).transpose(1, 2), v.dtype))
+    return (_contiguous(dkv[0, :own].view(b, l_len, h, d).transpose(1, 2), kv_dtype or k.dtype),
+            _contiguous(dkv[1, :own].view(b, l_len, h, d).transpose(1, 2), kv_dtype or v.dtype))
 
 
 def _rows_result(grad: torch.Tensor, like: torch.Tensor, written: bool) -> torch.Tensor:

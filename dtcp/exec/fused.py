@@ -389,12 +389,16 @@ def finish_results(result: torch.Tensor, summed: torch.Tensor, later: tuple[int,
     return result
 
 
-def finish_gradients(grads) -> tuple[torch.Tensor, ...]:
+def finish_gradients(grads, kv_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, ...]:
     """The backward's dq, dk, dv from (result or None, accumulator, later, like) each, as
     gradient_results made them: the result with its rows `later` copied back (finish_results),
-    or, without one, the accumulator cast to like's dtype."""
-    return tuple(summed.to(like.dtype) if result is None else finish_results(result, summed, later)
-                 for result, summed, later, like in grads)
+    or, without one, the accumulator cast to like's dtype. `kv_dtype`: dk and dv in this dtype
+    instead (float32 under half inputs: the sums not rounded, the first launch's own results
+    widened exactly), for a caller that sums them again (exec/route.py `_heads_backward`)."""
+    dtypes = (None, kv_dtype, kv_dtype)
+    return tuple(summed.to(dtype or like.dtype) if result is None
+                 else finish_results(result if dtype is None else result.to(dtype), summed, later)
+                 for (result, summed, later, like), dtype in zip(grads, dtypes))
 
 
 def rows(x: torch.Tensor, b: int) -> torch.Tensor:

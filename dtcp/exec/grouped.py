@@ -276,8 +276,8 @@ def grouped_forward(q, k, v, plan: RingPlan, kernel: Kernel, scale: float, comm,
     return out_acc.to(q.dtype), lse_acc
 
 
-def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None, *,
-                     size: int):
+def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None,
+                     kv_dtype=None, *, size: int):
     """As exec/ring.py ring_backward (same arguments and results), the received blocks in groups of
     `size` steps."""
     acc = acc_dtype(q.dtype)
@@ -436,4 +436,4 @@ def grouped_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, sc
         land(in_flight)
     comm.finish()
     return finish_gradients(((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
-                             (dv_out, dv_acc, later_kv, v)))
+                             (dv_out, dv_acc, later_kv, v)), kv_dtype)

@@ -264,10 +264,11 @@ def _send_next_block(comm, fit, plan: RingPlan, t: int, cur, local, spare):
     return comm.exchange(send, nxt, nxt_step.shift, "kv", t % 2), nxt
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None):
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale: float, comm, softcap=None,
+                  kv_dtype=None):
     """Gradients of ring_forward, given its final out and lse (with the sink, if any: then every
     kernel's probabilities are the final ones, and dq, dk, dv need nothing else). Returns dq, dk,
-    dv in the input dtypes."""
+    dv in the input dtypes, or dk and dv in `kv_dtype` (fused.py finish_gradients)."""
     acc = acc_dtype(q.dtype)
     rounds, local_len = plan.num_rounds, q.shape[2]
     local = cur = (k.contiguous(), v.contiguous())
@@ -434,11 +435,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, kernel: Kernel, scale
         sum_slots_(dq_out, dq_slots, slots.spans, slots.table, acc)
     if not keep_local:
         return finish_gradients(((dq_out, dq_acc, later_q, q), (dk_out, dk_acc, later_kv, k),
-                                 (dv_out, dv_acc, later_kv, v)))
+                                 (dv_out, dv_acc, later_kv, v)), kv_dtype)
     if slots is not None:
         sum_slots_(grads[0], dq_slots, slots.spans, slots.table, acc)
     else:
         _rows(grads[0], *dq_rows).copy_(dq_acc)
+    if kv_dtype is not None:  # (the local calls' own results widened exactly; the sums below unrounded)
+        grads = (grads[0],) + tuple(g.to(kv_dtype) for g in grads[1:])
     for g, summed in zip(grads[1:], own_dkv):
         _rows(g, *home_keys).copy_(summed)
     return grads

@@ -783,11 +783,16 @@ def _heads_backward(route: Route, dout, q, k, v, out, lse, scale, kept: Optional
         (dout_h,) = to_heads([(dout, heads.q)], heads, pg)
         q_h, k_h, v_h, out_h, lse_h, inner_kept = kept.q, kept.k, kept.v, kept.out, kept.lse, kept.inner
     comm = route.ring_comm(q_h, k_h, v_h, backward=True) if _has_ring(route.plan) else None
-    dq_h, dk_h, dv_h = _backward(route, route.plan, dout_h, q_h, k_h, v_h, out_h, lse_h, scale, inner_kept, comm)
     # Replicated K/V heads (Hkv < U) come back from several ranks and are summed: in float32 for
-    # half inputs, as dK/dV are everywhere else.
+    # half inputs, as dK/dV are everywhere else. Each replica's dK/dV is then handed over as the
+    # inner schedule summed it, in float32, not rounded to the inputs' dtype first (one rounding
+    # in all, as a ring or Ulysses alone gives).
+    acc = acc_dtype(k_h.dtype)
+    wider = heads.kv.replicas > 1 and acc.itemsize > k_h.dtype.itemsize
+    dq_h, dk_h, dv_h = _backward(route, route.plan, dout_h, q_h, k_h, v_h, out_h, lse_h, scale, inner_kept, comm,
+                                 kv_dtype=acc if wider else None)
     dq, dk, dv = to_sequence([(dq_h, heads.q, q_h.dtype), (dk_h, heads.kv, k_h.dtype), (dv_h, heads.kv, v_h.dtype)],
-                             heads, pg, sum_dtype=acc_dtype(k_h.dtype))
+                             heads, pg, sum_dtype=acc)
     dsinks = None
     if sinks is not None:  # this rank's heads over the group's tokens: its share of those heads' gradient
         first, h = heads.q.first_head(heads.rank), heads.q.per_rank
@@ -843,21 +848,24 @@ def _forward(route, plan, q, k, v, scale, keep_gathered_kv, comm, sink):
             [kv for _, _, kv in rows] if keep_gathered_kv else None)
 
 
-def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm):
+def _backward(route, plan, dout, q, k, v, out, lse, scale, gathered_kv, comm, kv_dtype=None):
+    """dq, dk, dv of the route's inner schedule; dk and dv in `kv_dtype` where given (float32 sums
+    that the head exchange adds up again: `_heads_backward`), else in k's and v's dtypes."""
     if isinstance(plan, VarlenPlan):
         return varlen_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale, kv=gathered_kv,
-                               softcap=route.softcap)
+                               softcap=route.softcap, kv_dtype=kv_dtype)
     if isinstance(plan, AllGatherPlan):
         return allgather_backward(dout, q, k, v, out, lse, route.comm_group(), plan, route.kernel, scale,
-                                  kv=gathered_kv, softcap=route.softcap)
+                                  kv=gathered_kv, softcap=route.softcap, kv_dtype=kv_dtype)
     if isinstance(plan, RingPlan):
         if grouped(plan, route.kernel, route.steps_per_launch):
             return grouped_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL,
-                                    softcap=route.softcap, size=route.steps_per_launch)
-        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap)
+                                    softcap=route.softcap, kv_dtype=kv_dtype, size=route.steps_per_launch)
+        return ring_backward(dout, q, k, v, out, lse, plan, route.kernel, scale, comm or _LOCAL, softcap=route.softcap,
+                             kv_dtype=kv_dtype)
     grads = [
         _backward(route, p, *(t[b:b + 1] for t in (dout, q, k, v, out, lse)), scale,
-                  None if gathered_kv is None else gathered_kv[b], comm)
+                  None if gathered_kv is None else gathered_kv[b], comm, kv_dtype)
         for b, p in enumerate(plan)
     ]
     return tuple(torch.cat(g) for g in zip(*grads))
