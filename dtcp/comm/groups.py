@@ -46,6 +46,10 @@ class GroupState:
         self._release_streams: dict = {}
         self.guard.on_fail(self._abort_communication)
 
+    def registered(self) -> bool:
+        """Whether the caller's group is still the one registered under its name (not destroyed)."""
+        return _registered(self._pg, self.name)
+
     @property
     def pg(self) -> "dist.ProcessGroup":
         pg = self._pg()
@@ -111,22 +115,21 @@ def _release_groups_of_gone_parents() -> None:
     groups again and again must not keep a communicator per group it ever made."""
     keep = []
     for parent_ref, name, own in _OWN_GROUPS:
-        parent = parent_ref()
-        try:
-            alive = parent is not None and _compat.group_from_name(name) is parent
-        except Exception:  # noqa: BLE001 - not registered any more
-            alive = False
-        if alive:
+        if _registered(parent_ref, name):
             keep.append((parent_ref, name, own))
         else:
             _compat.destroy_group(own)
     _OWN_GROUPS[:] = keep
 
 
-def _parent_alive(state: GroupState) -> bool:
+def _registered(pg_ref, name: str) -> bool:
+    """Whether the group behind the weak reference `pg_ref` is alive and registered as `name`."""
+    pg = pg_ref()
+    if pg is None:
+        return False
     try:
-        return _compat.group_from_name(state.name) is state._pg()
-    except Exception:  # noqa: BLE001 - not registered any more
+        return _compat.group_from_name(name) is pg
+    except Exception:  # noqa: BLE001 - not registered any more (destroyed)
         return False
 
 
@@ -142,7 +145,7 @@ def release_at_exit() -> None:
     watchdog stops; tests call it by hand."""
     _release_groups_of_gone_parents()
     for state in list(_EVERY_STATE):
-        if not _parent_alive(state):
+        if not state.registered():
             state._comm_group = None
             state.rings.clear()
             getattr(state, "routes", {}).clear()

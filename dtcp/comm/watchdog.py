@@ -18,7 +18,6 @@ import threading
 import weakref
 from typing import Optional
 
-from .. import _compat
 
 log = logging.getLogger("dtcp")
 
@@ -41,7 +40,7 @@ def watch(state) -> None:
 
 def check(state) -> None:
     """One pass over one group (the thread's body; tests call it directly)."""
-    if state.guard.failure is not None or not _registered(state):
+    if state.guard.failure is not None or not state.registered():
         _watched.discard(state)  # failed already, or destroyed: nothing left to watch
         return
     for ring in list(state.copy_engines.values()):
@@ -55,13 +54,6 @@ def check(state) -> None:
         log.error("dtcp: another rank of process group %r failed (%s); failing the group on rank %d",
                   state.name, peer, state.rank)
         state.guard.fail(f"another rank failed: {peer}")
-
-
-def _registered(state) -> bool:
-    try:
-        return _compat.group_from_name(state.name) is state.pg
-    except Exception:  # noqa: BLE001 - not registered any more (destroyed)
-        return False
 
 
 def _run() -> None:

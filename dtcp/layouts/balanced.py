@@ -465,16 +465,12 @@ def _exact_fill(lengths: list[int], rooms: list[int]) -> Optional[list[int]]:
         if not room:
             continue
         items = [i for i in order if homes[i] is None and lengths[i] <= room]
-        mask = (1 << (room + 1)) - 1
-        reach = [1]
-        for i in items:
-            reach.append((reach[-1] | (reach[-1] << lengths[i])) & mask)
+        sizes = [lengths[i] for i in items]
+        reach = _subset_sums(sizes, room)
         if not reach[-1] >> room & 1:
             return None
-        for j in range(len(items), 0, -1):  # the sum stays reachable without item j: skip it
-            if not reach[j - 1] >> room & 1:
-                homes[items[j - 1]] = rank
-                room -= lengths[items[j - 1]]
+        for j in _pick(sizes, reach, room):
+            homes[items[j]] = rank
     return None if any(h is None for h in homes) else homes
 
 
