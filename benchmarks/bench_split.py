@@ -239,12 +239,19 @@ class _Group:
         return None
 
 
+# every collective dtcp/exec/allgather.py calls (what it imports from dtcp.comm.collectives)
+COLLECTIVES = ("all_gather_kv", "reduce_scatter_dkv", "exchange_rows")
+
+
 @contextlib.contextmanager
 def local_collectives():
     """The all-gather schedule's collectives as local stand-ins: the gathered K/V is a buffer of
     the whole length holding this rank's K/V N times (built on first use, in the warmup, and
-    reused: no copy is timed), and the reduce-scatter keeps this rank's part."""
-    for name in ("all_gather_kv", "reduce_scatter_dkv"):
+    reused: no copy is timed), and the reduce-scatter keeps this rank's part. Where only the keys
+    other ranks read move (`exchange_rows`, plan.KeyExchange), the rows received are this rank's
+    own sent rows repeated to the received count (built once likewise); the packing's index,
+    stack and cat around the exchange run as in a real call."""
+    for name in COLLECTIVES:
         if not hasattr(exec_allgather, name):
             raise RuntimeError(f"dtcp.exec.allgather.{name} is gone: update bench_split.local_collectives")
     cache: dict = {}
@@ -260,12 +267,26 @@ def local_collectives():
     def scatter(send, pg, world_size):
         return send if world_size == 1 else send[: send.shape[0] // world_size]
 
-    saved = exec_allgather.all_gather_kv, exec_allgather.reduce_scatter_dkv
-    exec_allgather.all_gather_kv, exec_allgather.reduce_scatter_dkv = gather, scatter
+    def exchange(send, send_rows, recv_rows, pg, kind):
+        rows = sum(recv_rows)
+        key = ("exchange", kind, tuple(send.shape), send.dtype, send.device, rows)
+        if key not in cache:
+            if send.shape[0] == 0:  # (this rank sends nothing: stand-in values from no row of its own)
+                cache[key] = send.new_zeros((rows,) + send.shape[1:])
+            else:
+                times = -(-rows // send.shape[0])
+                cache[key] = send.repeat((times,) + (1,) * (send.dim() - 1))[:rows].contiguous()
+        return cache[key]
+
+    stand_ins = {"all_gather_kv": gather, "reduce_scatter_dkv": scatter, "exchange_rows": exchange}
+    saved = {name: getattr(exec_allgather, name) for name in COLLECTIVES}
+    for name in COLLECTIVES:
+        setattr(exec_allgather, name, stand_ins[name])
     try:
         yield
     finally:
-        exec_allgather.all_gather_kv, exec_allgather.reduce_scatter_dkv = saved
+        for name, fn in saved.items():
+            setattr(exec_allgather, name, fn)
         cache.clear()
 
 

@@ -239,3 +239,46 @@ def test_require_fa4_stops_before_any_run():
     single point runs (a GPU machine started bare would otherwise time cuDNN and flash)."""
     with pytest.raises(SystemExit, match="--require-fa4, but fa4 does not serve here: "):
         bench_split.main(["--device", "cpu", "--require-fa4", "--cases", "pareto-s0", "--world-sizes", "2"])
+
+
+def test_every_collective_of_the_allgather_has_a_local_stand_in():
+    """bench_split runs the all-gather without a process group: every collective that
+    dtcp/exec/allgather.py calls must be replaced, or a point fails on the GPU (as `exchange_rows`
+    did, unreplaced, on the twenty-ninth session's code: "Default process group has not been
+    initialized")."""
+    import inspect
+
+    from dtcp.comm import collectives
+    from dtcp.exec import allgather as exec_allgather
+
+    called = {name for name, fn in vars(exec_allgather).items()
+              if inspect.isfunction(fn) and fn.__module__ == collectives.__name__}
+    assert called == set(bench_split.COLLECTIVES)
+    with bench_split.local_collectives():
+        assert all(getattr(exec_allgather, name) is not getattr(collectives, name) for name in called)
+    assert all(getattr(exec_allgather, name) is getattr(collectives, name) for name in called)
+
+
+def test_allgather_over_documents_with_the_key_exchange_runs_without_a_process_group(monkeypatch):
+    """The all-gather's one varlen launch over a long-tailed mix (the CPU kernel's varlen loop
+    standing in for one launch), where only the keys other ranks read move: every rank's pass
+    runs under the stand-ins, with rows moving each way, and gives finite gradients of its
+    shapes."""
+    import torch
+    from dtcp.config import config as dtcp_config
+    from dtcp.kernels import KERNELS
+
+    cases = {c.name: c for c in bench_split.build_cases(1 / 64)}
+    point = bench_split.make_point(cases["pareto-s0"], "balanced", 4, 2, 16, 4, "auto")
+    for name in ("math", "cpu_flash"):  # (whichever "auto" picks on CPU)
+        monkeypatch.setattr(type(KERNELS[name]), "varlen_one_launch", True)
+    with dtcp_config.override(allgather_exchange=True):
+        jobs = bench_split.rank_jobs(point, "allgather", torch.device("cpu"), torch.float64)
+        exchanges = [j.plan.exchange for j in jobs]
+        assert all(x is not None for x in exchanges) and any(x.moves for x in exchanges)
+        for j in jobs:
+            fwd, bwd = bench_split.job_passes(j, torch.device("cpu"), torch.float64, 0.25)
+            with bench_split.local_collectives():
+                dq, dk, dv = bwd(fwd())
+            assert dq.shape == j.q_shape and dk.shape == dv.shape == j.kv_shape
+            assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
