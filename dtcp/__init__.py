@@ -5,7 +5,7 @@ layouts/ -> plan/ -> comm/ + kernels/ -> exec/ -> ops.py -> api.py, frontends/ -
 """
 
 from . import errors
-from .api import calibrate, explain, flash_attn_varlen_func, ring_attention
+from .api import calibrate, explain, flash_attn_varlen_func, hidden_ring_steps, ring_attention
 from .comm.stats import STATS as comm_stats
 from .config import config
 from .frontends.context import context_parallel, context_parallel_unshard, shard_buffers, unshard_buffers
@@ -17,6 +17,7 @@ __all__ = [
     "ring_attention",
     "flash_attn_varlen_func",
     "explain",
+    "hidden_ring_steps",
     "calibrate",
     "Layout",
     "Contiguous",

@@ -29,6 +29,7 @@ from .layouts import (
     Auto, Balanced, DEFAULT_LAYOUT, Contiguous, DocZigzag, Layout, SlidingWindow, Zigzag, check_window, layout_from_spec,
 )
 from .plan import check_kv_exchange, check_strategy
+from .plan import cost as _cost
 from .plan.cost import machine_for
 
 
@@ -252,6 +253,18 @@ def flash_attn_varlen_func(
     )
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out
+
+
+def hidden_ring_steps(local_len: int, world_size: int, batch: int = 1) -> int:
+    """How many ring steps of a rank the rest of a training step's layer hides on the host, under
+    the cost objective in force (`dtcp.config.cost_objective`, `layer_flops_per_token`,
+    `cost_machine`): what `Balanced(hidden_steps=)` wants for a batch of `batch` rows of
+    `local_len` tokens per rank over `world_size` ranks. "call": 0 (every step's host time
+    counts); "device": `world_size` (the device's time alone); "step": the steps whose host time
+    (an FA4 launch pair and the step's bookkeeping, about 1.2 ms) the layer's other device work
+    covers. `context_parallel(layout="auto")` and the integrations resolve each batch with it."""
+    return _cost.hidden_ring_steps(config.cost_objective_in_force(), config.layer_flops_per_token, batch, local_len,
+                                   world_size, machine_for(config.cost_machine))
 
 
 def op_layout(layout: Layout, cu_seqlens=None) -> tuple[str, Optional[tuple[int, ...]]]:

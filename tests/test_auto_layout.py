@@ -49,15 +49,58 @@ def test_auto_resolves_documents_to_balanced():
         dtcp.Balanced((4, 4), min_chunk=0)
 
 
+def test_auto_resolves_with_hidden_steps():
+    """`resolve(..., hidden_steps=)` gives Balanced those steps; the Balanced without documents that
+    the attention calls take for such a batch is one object per hidden-steps value (torch.compile
+    guards on it), whatever the batch's documents."""
+    auto = dtcp.Auto(min_chunk=4)
+    a = auto.resolve([0, 5, 16], 16, hidden_steps=2)
+    assert a == dtcp.Balanced((5, 11), min_chunk=4, hidden_steps=2)
+    b = auto.resolve([0, 9, 12, 16], 16, hidden_steps=2)
+    assert auto.by_boundaries(a) is auto.by_boundaries(b) == dtcp.Balanced(min_chunk=4, hidden_steps=2)
+    c = auto.resolve([0, 9, 12, 16], 16)
+    assert c.hidden_steps == 0 and auto.by_boundaries(c) == dtcp.Balanced(min_chunk=4)
+    assert auto.by_boundaries(c) is not auto.by_boundaries(a)
+    assert auto.resolve(None, 16, hidden_steps=2) == dtcp.Zigzag()
+
+
+def test_hidden_ring_steps_follow_the_cost_objective():
+    """What the integrations and context_parallel(layout="auto") give Balanced: none under "call"
+    (an isolated call: every step's host time counts), all N under "device", and under "step" the
+    steps whose host time (an FA4 launch pair, 0.5 ms, and a ring step's bookkeeping, 0.7 ms, on
+    the shipped H200 constants) the rest of the layer's device work covers, at 650 TFLOP/s.
+    An 8B-class layer (4096 hidden, 14336 MLP, 32/8 heads of 128) at 8K tokens a rank: 1.31
+    GFLOP/token x 8192 / 650e12 = 16.5 ms, 13 steps; a 125M-class one (768, 3072, 12/12 of 64):
+    0.71 ms, none."""
+    from dtcp.plan import decoder_layer_flops_per_token
+    big = decoder_layer_flops_per_token(4096, 14336, 32, 8, 128)
+    small = decoder_layer_flops_per_token(768, 3072, 12, 12, 64)
+    assert round(big / 1e9, 2) == 1.31 and round(small / 1e6, 1) == 56.6
+    with dtcp.config.override(cost_objective="call", layer_flops_per_token=big):
+        assert dtcp.hidden_ring_steps(8192, 16) == 0
+    with dtcp.config.override(cost_objective="device"):
+        assert dtcp.hidden_ring_steps(8192, 16) == 16 and dtcp.hidden_ring_steps(8192, 4) == 4
+    with dtcp.config.override(layer_flops_per_token=big):  # ("auto": "step" with the layer's work)
+        assert dtcp.hidden_ring_steps(8192, 16) == 13
+        assert dtcp.hidden_ring_steps(8192, 8) == 8  # (at most N)
+        assert dtcp.hidden_ring_steps(2048, 16) == 3  # (a quarter of the tokens: 4.1 ms)
+        assert dtcp.hidden_ring_steps(2048, 16, batch=4) == 13
+    with dtcp.config.override(layer_flops_per_token=small):
+        assert dtcp.hidden_ring_steps(8192, 16) == 0
+    with dtcp.config.override(cost_objective="step"):
+        with pytest.raises(ValueError, match="layer_flops_per_token"):
+            dtcp.hidden_ring_steps(8192, 16)
+
+
 # ---- ring_attention(layout="balanced", cu_seqlens=...) ------------------------------------------------
 
 
 def balanced_by_boundaries_errors(docs, spec, window=(-1, -1)):
     """ring_attention with layout `spec` ("balanced[@k]") and the boundaries as cu_seqlens, the
     inputs sharded with Balanced.from_cu_seqlens: errors against one process."""
-    min_chunk = dtcp.layout_from_spec(spec).min_chunk
+    named = dtcp.layout_from_spec(spec)
     cu = torch.tensor(_cu(docs), dtype=torch.int32)
-    layout = dtcp.Balanced.from_cu_seqlens(cu, min_chunk=min_chunk)
+    layout = dtcp.Balanced.from_cu_seqlens(cu, min_chunk=named.min_chunk, hidden_steps=named.hidden_steps)
     s = sum(docs)
     g = torch.Generator().manual_seed(9)
     q, k, v, dout = (torch.randn(1, h, s, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
@@ -78,6 +121,11 @@ def balanced_by_boundaries_errors(docs, spec, window=(-1, -1)):
     (2, (21, 3, 5, 3), "balanced@1", (-1, -1)),     # the 21 is cut
     (4, (40, 3, 3, 2, 9, 7), "balanced@1", (5, 0)),
     (4, (40, 3, 3, 2, 9, 7), "balanced", (-1, -1)),  # min_chunk 512: nothing cut, pieces split at rank ends
+    # placements that differ with every step's host time hidden (the documents cut over windows)
+    (4, (56, 7, 7, 8, 17, 9, 9, 9, 32, 14), "balanced@4+4", (-1, -1)),
+    (4, (56, 7, 7, 8, 17, 9, 9, 9, 32, 14), "balanced@4", (-1, -1)),
+    (4, (47, 13, 32, 72), "balanced@8+4", (9, 0)),
+    (4, (47, 13, 32, 72), "balanced@8+2", (-1, -1)),
 ])
 def test_ring_attention_balanced_by_boundaries_exact(n, docs, spec, window):
     for r in run_ranks(n, balanced_by_boundaries_errors, docs, spec, window):
@@ -103,10 +151,11 @@ def test_auto_and_balanced_without_documents_raise_on_every_rank():
 # ---- dtcp.context_parallel(layout="auto") -------------------------------------------------------------
 
 
-def context_parallel_auto(docs, b):
+def context_parallel_auto(docs, b, objective="auto", min_chunk=1):
     """A layer's projections and F.scaled_dot_product_attention inside dtcp.context_parallel with
-    layout="auto" and the batch's documents: the layout it chose, and the errors of the output
-    and of every gradient against the same layer on one process (documents masked)."""
+    layout="auto" and the batch's documents, under `objective` (dtcp.config.cost_objective): the
+    layout it chose, and the errors of the output and of every gradient against the same layer on
+    one process (documents masked)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     n = dist.get_world_size()
@@ -130,7 +179,8 @@ def context_parallel_auto(docs, b):
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     kwargs = {} if cu is None else {"cu_seqlens": cu}
-    with dtcp.context_parallel(mesh, [xl], [1], layout=dtcp.Auto(min_chunk=1), **kwargs) as cp:
+    with dtcp.config.override(cost_objective=objective), \
+            dtcp.context_parallel(mesh, [xl], [1], layout=dtcp.Auto(min_chunk=min_chunk), **kwargs) as cp:
         out = layer(xl, wl)
         out.backward(cp.layout.shard(dout, cp.group, 2))
         chosen = cp.layout
@@ -139,7 +189,7 @@ def context_parallel_auto(docs, b):
     dw = wl.grad.clone()
     dist.all_reduce(dw)  # each rank's rows' share of the weight gradient
     errs["dw"] = exact_err(dw, wr.grad)
-    return {"layout": chosen.name, **errs}
+    return {"layout": chosen.name, "hidden_steps": getattr(chosen, "hidden_steps", None), **errs}
 
 
 @pytest.mark.parametrize("n,docs,b,want", [
@@ -151,16 +201,48 @@ def test_context_parallel_auto_exact(n, docs, b, want):
     for r in run_ranks(n, context_parallel_auto, docs, b):
         assert r["layout"] == want, r
         assert max(r[key] for key in ("out", "dx", "dw")) < 1e-10, r
+        assert r["hidden_steps"] == (0 if want == "balanced" else None), r  # ("auto" without layer work: "call")
+
+
+def context_parallel_objective_per_rank(docs):
+    """Rank 0 under cost_objective "device", the others under "call": their placements differ."""
+    try:
+        context_parallel_auto(docs, 1, "device" if dist.get_rank() == 0 else "call", 4)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def test_context_parallel_auto_objectives_that_differ_between_ranks_raise_on_every_rank():
+    """Ranks configured apart shard the batch apart: the attention call's agreement names the
+    layout each has, on every rank, instead of a wrong answer or a hang."""
+    for r in run_ranks(2, context_parallel_objective_per_rank, (56, 7, 7, 8, 17, 9, 9, 9, 32, 14)):
+        assert r.startswith("PeerMismatchError") and "layout: rank 0 balanced@4+2, rank 1 balanced@4." in r, r
+
+
+def test_context_parallel_auto_places_for_the_device_objective():
+    """Under cost_objective="device" the batch is placed with every ring step's host time hidden
+    (hidden_steps = N: its documents cut over windows, where "call" keeps them whole), exact."""
+    docs = (56, 7, 7, 8, 17, 9, 9, 9, 32, 14)
+    for r in run_ranks(4, context_parallel_auto, docs, 1, "device", 4):
+        assert r["layout"] == "balanced" and r["hidden_steps"] == 4, r
+        assert max(r[key] for key in ("out", "dx", "dw")) < 1e-10, r
 
 
 # ---- transformers: auto by default, compiled, a new document mix every step -------------------------
 
 
-def hf_compiled_new_documents_every_step():
+MIXES = ((19, 5, 3, 5), (2, 2, 28), (10, 10, 6, 4, 2), (16, 16), (7, 1, 1, 1, 22))
+# (64 tokens over 2 ranks, min_chunk 4: each placed otherwise with both ring steps' host time hidden)
+HIDDEN_MIXES = ((17, 8, 39), (33, 21, 10), (19, 10, 30, 1, 4), (31, 33), (17, 10, 5, 32))
+
+
+def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="auto"):
     """A tiny Llama, attn_implementation="dtcp", compiled once (aot_eager, fullgraph): each step a
     packed row of a new document mix (another number of documents, the same length) through the
-    integration's default layout ("auto" -> Balanced). Logits and every parameter gradient equal
-    eager's; no graph break, one compile for all steps."""
+    integration's default layout ("auto" -> Balanced), under `objective`
+    (dtcp.config.cost_objective). Logits and every parameter gradient equal eager's; no graph
+    break, one compile for all steps."""
     import transformers
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
@@ -183,24 +265,26 @@ def hf_compiled_new_documents_every_step():
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     g = torch.Generator().manual_seed(2)
     coll = transformers.DataCollatorWithFlattening(return_tensors="pt")
-    errs, frames, layouts = [], [], []
-    for docs in ((19, 5, 3, 5), (2, 2, 28), (10, 10, 6, 4, 2), (16, 16), (7, 1, 1, 1, 22)):
+    errs, frames, layouts, hidden = [], [], [], set()
+    for docs in mixes:
         batch = dict(coll([{"input_ids": torch.randint(0, 64, (d,), generator=g).tolist()} for d in docs]))
         grads = []
         for net, runner in ((eager, eager), (model, compiled)):
             net.zero_grad()
-            with dtcp_hf.context_parallel(net, mesh, batch) as cp:
+            with dtcp.config.override(cost_objective=objective), \
+                    dtcp_hf.context_parallel(net, mesh, batch, layout=layout) as cp:
                 out = runner(**cp.inputs)
                 out.loss.backward()
                 logits = cp.gather(out.logits.detach())
             dtcp_hf.sum_gradients(net, cp.group)
             grads.append((logits, [p.grad.clone() for p in net.parameters()]))
             layouts.append(cp.layout.name)
+            hidden.add(cp.layout.hidden_steps)
         (le, ge), (lc, gc) = grads
         errs += [exact_err(lc, le)] + [exact_err(a, b) for a, b in zip(gc, ge)]
         frames.append(counter.frame_count)
     return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values()),
-            "layouts": sorted(set(layouts))}
+            "layouts": sorted(set(layouts)), "hidden_steps": sorted(hidden)}
 
 
 def test_transformers_auto_compiled_new_documents_every_step():
@@ -209,3 +293,16 @@ def test_transformers_auto_compiled_new_documents_every_step():
         assert r["layouts"] == ["balanced"], r
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
         assert r["frames"] == [1] * len(r["frames"]), r  # a new document mix is no recompile
+        assert r["hidden_steps"] == [0], r  # ("auto" -> "step": this tiny model's layer work hides no ring step)
+
+
+def test_transformers_auto_compiled_for_the_device_objective():
+    """The same under cost_objective="device" with Auto(min_chunk=4): every batch placed with both
+    ring steps' host time hidden (each of these mixes placed otherwise than with none), still one
+    compile for all steps, no graph break, equal to eager."""
+    pytest.importorskip("transformers")
+    for r in run_ranks(2, hf_compiled_new_documents_every_step, HIDDEN_MIXES, "device", dtcp.Auto(min_chunk=4),
+                       timeout=400):
+        assert r["layouts"] == ["balanced"] and r["hidden_steps"] == [2], r
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["frames"] == [1] * len(r["frames"]), r

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -130,8 +131,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(out, name, nproc, *args, batch: int = BATCH) -> dict[int, float]:
-    """torchtitan's trainer under torchrun (`nproc` gloo ranks); rank 0's loss per step."""
+def _train(out, name, nproc, *args, batch: int = BATCH, env_extra: Optional[dict] = None) -> dict[int, float]:
+    """torchtitan's trainer under torchrun (`nproc` gloo ranks), with `env_extra` set; rank 0's
+    loss per step."""
     try:
         from dist_harness import close_all
 
@@ -140,7 +142,8 @@ def _train(out, name, nproc, *args, batch: int = BATCH) -> dict[int, float]:
         pass
     log = out / f"{name}.log"
     env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1", HF_HOME=str(out / "hf"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               HF_HUB_OFFLINE="1", HF_HOME=str(out / "hf"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--tee", "3",
            "--local-ranks-filter", "0", os.path.join(ROOT, "tests", "torchtitan03_cpu_train.py"),
@@ -250,6 +253,20 @@ def test_auto_layout_balances_one_packed_row(seeded):
     assert "layout=auto@8" in text and "dtcp: layout auto -> balanced" in text, text[-3000:]
     # each step tells dtcp its transformer block's work (6 x 851,968 matmul weights), for "auto"'s step objective
     assert "dtcp: layer_flops_per_token 5.112e+06 (the model's transformer block)" in text, text[-3000:]
+
+
+def test_auto_layout_places_for_the_device_objective(seeded):
+    """The same under DTCP_COST_OBJECTIVE=device (eager, to spare the 2 cores a compile): each batch
+    placed with both ring steps' host time hidden (Balanced(hidden_steps=2): "balanced@8+2"); the
+    losses equal CP=1's."""
+    out, load = seeded
+    ref = _cp1(seeded, batch=1)
+    name = "cp2_auto_b1_device"
+    got = _train(out, name, 2, "--parallelism.context_parallel_degree", "2", *load, "--dtcp.layout", "auto@8",
+                 "--dtcp.strategy", "ring", batch=1, env_extra={"DTCP_COST_OBJECTIVE": "device"})
+    text = (out / f"{name}.log").read_text()
+    _assert_close(ref, got, name)
+    assert "dtcp: layout auto -> balanced@8+2 (" in text, text[-3000:]
 
 
 def test_layer_flops_per_token_of_a_transformer_block():

@@ -38,7 +38,7 @@ from ..config import config
 from ..errors import DtcpError, PeerFailedError, PeerTimeoutError
 from ..kernels import Kernel, Target, acc_dtype, select_kernel
 from ..layouts import Balanced, DocZigzag, Layout, layout_from_spec
-from ..layouts.balanced import min_chunk_of
+from ..layouts.balanced import balanced_options
 from ..plan import (
     AllGatherPlan, AttnMask, CallShape, Prediction, RingPlan, UlyssesPlan, VarlenPlan, allgather_plans,
     allgather_reason, chunk_segments, exchange_candidates, head_splits, inner_layout, plan_pairs, ring_plans,
@@ -276,7 +276,7 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
         layout: Layout = DocZigzag.from_cu_seqlens(cu_values)
         layout.check(seq_len, n)
         row_segments = (layout.segments(n),) * batch
-    elif min_chunk_of(args.layout) is not None:  # Balanced: the documents are the mask and decide the placement
+    elif balanced_options(args.layout) is not None:  # Balanced: the documents are the mask and decide the placement
         if cu_values is None:
             raise ValueError("layout 'balanced' needs the documents: pass layout=dtcp.Balanced(doc_lens) "
                              "(or Balanced.from_cu_seqlens(cu_seqlens)), or layout='balanced' with cu_seqlens")
@@ -284,7 +284,7 @@ def _problem(q, args: CallArgs, cu_values, state, head_state) -> _Problem:
             raise ValueError("layout 'balanced' places one document structure, shared by every batch row; these "
                              f"cu_seqlens give each of the {batch} rows its own documents. Pack the batch into one row "
                              "(B=1), or use layout='zigzag' with these cu_seqlens")
-        layout = Balanced.from_cu_seqlens(cu_values, min_chunk=min_chunk_of(args.layout))
+        layout = Balanced.from_cu_seqlens(cu_values, **balanced_options(args.layout))
         layout.check(seq_len, n)
         row_segments = (segments_from_cu_seqlens(cu_values, seq_len),) * batch
     else:

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from .._groups import cp_size_and_rank
-from ..api import ring_attention
+from ..api import hidden_ring_steps, ring_attention
 from ..layouts import DEFAULT_LAYOUT, Auto, Balanced, Layout, layout_from_spec
 from . import dtensor as _dt
 
@@ -144,19 +144,22 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
     return unshard_buffers(mesh, buffers, seq_dims, layout, mesh_dim=mesh_dim)
 
 
-def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int]) -> tuple[Layout, dict]:
+def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int], world_size: int,
+                      batch: int) -> tuple[Layout, dict]:
     """layout="auto": Balanced for the documents of ``cu_seqlens`` (shared by every row of
-    `seq_len` tokens), else Zigzag (dtcp/layouts/auto.py). A Balanced layout carries its
+    `seq_len` tokens), with the ring steps the cost objective in force hides
+    (`dtcp.hidden_ring_steps`), else Zigzag (dtcp/layouts/auto.py). A Balanced layout carries its
     documents: ``cu_seqlens`` given beside it must be the same boundaries, and the calls then
     take them from the layout."""
     cu = ring_kwargs.get("cu_seqlens")
     if isinstance(layout, Auto):
-        layout = layout.resolve(cu, seq_len)
+        hidden = hidden_ring_steps(seq_len // world_size, world_size, batch) if cu is not None and seq_len else 0
+        layout = layout.resolve(cu, seq_len, hidden_steps=hidden)
     if isinstance(layout, Balanced) and layout.doc_lens is None:  # "balanced": the placement of cu_seqlens
         if cu is None:
             raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "
                              "cu_seqlens=..., or layout=dtcp.Balanced(doc_lens), or layout='auto'")
-        layout = Balanced.from_cu_seqlens(cu, min_chunk=layout.min_chunk)
+        layout = Balanced.from_cu_seqlens(cu, min_chunk=layout.min_chunk, hidden_steps=layout.hidden_steps)
     if isinstance(layout, Balanced) and cu is not None:
         values = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
         if [int(c) for c in values] != layout.cu_seqlens.tolist():
@@ -321,12 +324,14 @@ def context_parallel(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string such as 'auto'; got {type(backend).__name__}")
     buffers, seq_dims = _check_buffers(buffers, buffer_seq_dims)
-    layout, ring_kwargs = _documents_layout(layout, ring_kwargs, buffers[0].shape[seq_dims[0]] if buffers else None)
+    n = cp_size_and_rank(pg)[0]
+    seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
+    rows = buffers[0].shape[0] if buffers and seq_dims[0] > 0 else 1  # (B, S, ...) buffers: B rows
+    layout, ring_kwargs = _documents_layout(layout, ring_kwargs, seq_len, n, rows)
     no_restore = list(no_restore_buffers or ())
     for b in no_restore:
         if not any(b is c for c in buffers):
             raise ValueError("no_restore_buffers must be a subset of buffers (the same tensor objects)")
-    n = cp_size_and_rank(pg)[0]
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         _check_len(layout, b.shape[d], n, f"buffers[{i}] (shape {tuple(b.shape)}, buffer_seq_dims[{i}]={d})")
 

@@ -11,7 +11,7 @@ Pure index math (one module per layout) plus `sharding`, which applies it to ten
 from __future__ import annotations
 
 from .auto import Auto
-from .balanced import Balanced
+from .balanced import Balanced, balanced_options
 from .base import Layout, check_window
 from .contiguous import Contiguous, SlidingWindow
 from .doczigzag import DocZigzag
@@ -46,10 +46,10 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
             return Striped(int(arg) if arg else 1)
         if name == "doczigzag" and arg:
             return DocZigzag(tuple(int(n) for n in arg.split(",") if n))
-        if name.partition("@")[0] == "balanced":  # "balanced[@min_chunk][:len,len,...]"
-            min_chunk = name.partition("@")[2]
+        options = balanced_options(name)
+        if options is not None:  # "balanced[@min_chunk][+hidden_steps][:len,len,...]"
             docs = tuple(int(n) for n in arg.split(",") if n) if arg else None
-            return Balanced(docs, min_chunk=int(min_chunk)) if min_chunk else Balanced(docs)
+            return Balanced(docs, **options)
         if name == "grouped":
             inner, _, base = arg.partition(":")
             return Grouped(layout_from_spec(base), int(inner))
@@ -59,4 +59,4 @@ def layout_from_spec(spec: "str | Layout") -> Layout:
     except ValueError as e:
         raise ValueError(f"layout {spec!r}: {e}") from None
     raise ValueError(f"unknown layout {spec!r}; use 'auto', 'contiguous', 'zigzag', 'striped[:block]', 'window:left[:right]' "
-                     "'doczigzag:len,len,...' or 'balanced[@min_chunk][:len,len,...]'")
+                     "'doczigzag:len,len,...' or 'balanced[@min_chunk][+hidden_steps][:len,len,...]'")

@@ -7,7 +7,9 @@ not per document: on long-tailed mixes one rank holds up to 3x another's work (d
 
 `Auto()` itself holds no tokens: it names the choice. The integrations resolve it once per batch
 with `resolve` and shard that batch with the result. The length rule is the stricter of the two
-(a multiple of 2N), so that padding to `multiple(N)` suits either choice.
+(a multiple of 2N), so that padding to `multiple(N)` suits either choice. They pass `resolve` the
+ring steps whose host time the rest of a training step hides (`Balanced(hidden_steps=)`), from the
+cost objective in force (`dtcp.hidden_ring_steps`).
 """
 
 from __future__ import annotations
@@ -38,18 +40,30 @@ class Auto(Layout):
 
     def __post_init__(self):
         # The Balanced without documents that attention calls take for a balanced batch (the
-        # documents then travel as the cu_seqlens tensor): one object per Auto, not one per batch.
-        object.__setattr__(self, "by_boundaries", Balanced(min_chunk=self.min_chunk))
+        # documents then travel as the cu_seqlens tensor): one object per Auto and hidden_steps,
+        # not one per batch (torch.compile guards on the object).
+        object.__setattr__(self, "_by_boundaries", {})
+
+    def by_boundaries(self, resolved: Balanced) -> Balanced:
+        """The Balanced without documents that gives the placement of `resolved` (a batch this Auto
+        resolved to Balanced) when the call gets the batch's cu_seqlens: the same object for every
+        batch resolved with the same hidden_steps."""
+        hidden = resolved.hidden_steps
+        if hidden not in self._by_boundaries:
+            self._by_boundaries[hidden] = Balanced(min_chunk=self.min_chunk, hidden_steps=hidden)
+        return self._by_boundaries[hidden]
 
     def multiple(self, world_size: int) -> int:
         return 2 * world_size  # Zigzag's; Balanced needs only N
 
-    def resolve(self, cu_seqlens: Union[torch.Tensor, Sequence[int], None], seq_len: Optional[int] = None) -> Layout:
+    def resolve(self, cu_seqlens: Union[torch.Tensor, Sequence[int], None], seq_len: Optional[int] = None,
+                hidden_steps: int = 0) -> Layout:
         """The layout for a batch whose rows hold `seq_len` tokens each and whose document
         boundaries are `cu_seqlens` (None: no documents). Boundaries that end at `seq_len` are
         documents shared by every row: Balanced when two or more are non-empty. Boundaries over the
         rows flattened (ending at B * seq_len: each row its own documents) get Zigzag, as one
-        placement cannot balance every row. `seq_len` None: the boundaries' last value."""
+        placement cannot balance every row. `seq_len` None: the boundaries' last value.
+        `hidden_steps`: Balanced's (the ring steps whose host time other device work hides)."""
         if cu_seqlens is None:
             return _ZIGZAG
         values = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
@@ -57,7 +71,7 @@ class Auto(Layout):
             return _ZIGZAG
         if sum(1 for a, b in zip(values, values[1:]) if b > a) < 2:
             return _ZIGZAG  # one document: Balanced would cut it zigzag-style anyway
-        return Balanced.from_cu_seqlens(values, min_chunk=self.min_chunk)
+        return Balanced.from_cu_seqlens(values, min_chunk=self.min_chunk, hidden_steps=hidden_steps)
 
     def runs(self, seq_len, world_size, rank):
         raise ValueError("layout='auto' is chosen per batch from its documents (dtcp.Auto().resolve(cu_seqlens, "

@@ -395,6 +395,28 @@ def _in_step(strategy: str, shape: CallShape, machine: Machine, outer: Optional[
     return replace(device, total_s=total, note="; ".join(x for x in (device.note, note) if x), host_s=host, other_s=w)
 
 
+def hidden_ring_steps(objective: str, layer_flops_per_token: Optional[float], batch: int, local_len: int,
+                      world_size: int, machine: Machine, kernel: str = "fa4") -> int:
+    """How many of a rank's ring steps queue on the host while the device runs the rest of their
+    layer (`Balanced(hidden_steps=)`: those steps' host time costs the placement nothing), under
+    `objective` (dtcp.config.cost_objective_in_force()): "call" none; "device" all of them
+    (`world_size`: a rank has at most that many); "step" as many as the layer's other device work
+    per pass (W = layer_flops_per_token x batch x local_len / matmul_flops_per_s, as `_in_step`
+    weighs a call) covers at one ring step's host time each (a forward and backward launch of
+    `kernel` and the step's bookkeeping: Machine.launch_host_s, ring_launch_host_s), at most
+    `world_size`."""
+    if objective == "call":
+        return 0
+    if objective == "device":
+        return world_size
+    if objective != "step" or not layer_flops_per_token:
+        raise ValueError(f"hidden_ring_steps: objective {objective!r} needs 'call', 'device', or 'step' with "
+                         "layer_flops_per_token")
+    other_s = layer_flops_per_token * batch * local_len / machine.matmul_flops_per_s
+    step_s = _launch_host_s(machine, kernel, True, machine.ring_launch_host_s)
+    return min(world_size, int(other_s / step_s))
+
+
 def host_s(strategy: str, shape: CallShape, machine: Machine) -> float:
     """The host's time to queue one call: its launches (the kernel's own host time per launch, a
     ring step's bookkeeping on the ring's) and the strategy's fixed cost per call (Machine.fixed_s)."""

@@ -358,11 +358,16 @@ class DtcpTrainer(Trainer):
         layout, chosen = options.layout, None
         if isinstance(layout, Auto) and self.parallel_dims.cp_enabled:
             # Balanced for one packed row of documents, else zigzag (rows of their own documents)
-            layout = layout.resolve(cu, S)
-            chosen = options.layout.by_boundaries if isinstance(layout, Balanced) else layout
-            if getattr(self, "_dtcp_last_choice", None) != layout.name:  # say so when the choice changes
-                self._dtcp_last_choice = layout.name
-                logger.info(f"dtcp: layout auto -> {layout.name} ({B} row(s) of {S} tokens, "
+            # (with the ring steps whose host time the rest of the layer hides: the cost objective's)
+            cp = self.parallel_dims.get_mesh("cp").size()
+            with dtcp.config.layer_work(self.dtcp_layer_flops):
+                hidden = dtcp.hidden_ring_steps(S // cp, cp, B) if cu is not None and S % cp == 0 else 0
+            layout = layout.resolve(cu, S, hidden_steps=hidden)
+            chosen = options.layout.by_boundaries(layout) if isinstance(layout, Balanced) else layout
+            said = layout.op_spec() if isinstance(layout, Balanced) else layout.name  # (with its hidden steps)
+            if getattr(self, "_dtcp_last_choice", None) != said:  # say so when the choice changes
+                self._dtcp_last_choice = said
+                logger.info(f"dtcp: layout auto -> {said} ({B} row(s) of {S} tokens, "
                             f"{len(cu) - 1 if cu is not None else 0} documents)")
         if options.documents:
             extra["attention_masks"] = DtcpDocuments(cu, chosen)

@@ -240,7 +240,9 @@ def context_parallel(
     batch_layout = layout.resolve(None) if isinstance(layout, Auto) else layout  # (no batch: the user shards with cp.layout)
     if error is None and batch is not None:
         try:
-            inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model)
+            # (under the model's layer work: Auto's placement weighs the ring steps it hides)
+            with dtcp_config.layer_work(layer_flops_per_token(model)):
+                inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model)
             if error is None:
                 rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
                 error = check_model_for_length(model, int(rows.shape[1]) * cp_size_and_rank(pg)[0])
@@ -270,7 +272,7 @@ def context_parallel(
     # per batch. (Auto resolves to one Zigzag object for every batch without documents.)
     configured = state.configured_layout
     if isinstance(configured, Auto):
-        state.layout = configured.by_boundaries if isinstance(batch_layout, Balanced) else batch_layout
+        state.layout = configured.by_boundaries(batch_layout) if isinstance(batch_layout, Balanced) else batch_layout
     state.seen = False
     state.mask_windows = ()
     # The batch's boundaries and shard shape go to the attention function through the block's
