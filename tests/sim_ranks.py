@@ -198,7 +198,7 @@ class _ExchangeRows(_AllToAll):
 
     what = "exchange"
 
-    def __call__(self, send, send_rows, recv_rows, rank, kind):
+    def __call__(self, send, send_rows, recv_rows, rank, kind, out=None):
         assert len(send_rows) == len(recv_rows) == self.n and send.shape[0] == sum(send_rows)
 
         def read():
@@ -207,6 +207,9 @@ class _ExchangeRows(_AllToAll):
                 start = sum(splits[:rank])
                 assert splits[rank] == recv_rows[j], (rank, j, splits, recv_rows)  # the plans agree
                 parts.append(theirs[start:start + splits[rank]])
+            if out is not None:  # (received into the caller's buffer, as the all-to-all writes it)
+                assert out.is_contiguous() and tuple(out.shape) == (sum(recv_rows),) + tuple(send.shape[1:])
+                return torch.cat(parts, out=out)
             return torch.cat(parts)
 
         return self._round(rank, (send.clone(), send_rows), read)

@@ -315,3 +315,14 @@ def test_compiled_exchange_with_new_documents_and_lengths():
             assert (kv, grad) == (2 * once, want_grad), r  # (the custom op's backward exchanges K/V again)
             assert eager[:2] == (once, want_grad), r  # (eager keeps its K/V for the backward)
         assert any(s[2] for s in r["sent"]), r  # some step moved rows
+
+
+def test_exchange_rows_into_a_buffer_of_the_wrong_shape_is_refused():
+    """The forward receives the rows other ranks send straight into its pool's tail
+    (exchange_rows(out=)): a buffer of another shape, or not contiguous, is refused before any
+    collective is issued."""
+    from dtcp.comm.collectives import exchange_rows
+    send = torch.zeros(3, 2, 4, 8)
+    for out in (torch.zeros(4, 2, 4, 8), torch.zeros(2, 5, 4, 8).transpose(0, 1)):  # (the second: not contiguous)
+        with pytest.raises(ValueError, match=r"exchange_rows: out must be contiguous of shape \(5, 2, 4, 8\)"):
+            exchange_rows(send, (3, 0), (0, 5), None, "kv", out=out)

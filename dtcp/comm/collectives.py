@@ -4,6 +4,8 @@ collectives return their input."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -36,13 +38,16 @@ def reduce_scatter_dkv(send: torch.Tensor, pg: "dist.ProcessGroup", world_size: 
 
 
 def exchange_rows(send: torch.Tensor, send_rows: tuple[int, ...], recv_rows: tuple[int, ...],
-                  pg: "dist.ProcessGroup", kind: str) -> torch.Tensor:
+                  pg: "dist.ProcessGroup", kind: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(sum(send_rows), ...) -> (sum(recv_rows), ...): rows send_rows[j] of `send` (in rank order)
     go to rank j, and rank i's rows for this rank arrive as the result's recv_rows[i] rows, in rank
     order. The all-gather's sparse form (exec/allgather.py, plan.KeyExchange). Every rank must
     call it, each with the splits its plan gives; no row goes to the rank itself. Counted under
-    `kind` ("kv" or "grad")."""
-    recv = send.new_empty((sum(recv_rows),) + send.shape[1:])
+    `kind` ("kv" or "grad"). `out`: a contiguous tensor of the result's shape to receive into."""
+    shape = (sum(recv_rows),) + tuple(send.shape[1:])
+    if out is not None and (tuple(out.shape) != shape or not out.is_contiguous()):
+        raise ValueError(f"exchange_rows: out must be contiguous of shape {shape}; got {tuple(out.shape)}")
+    recv = send.new_empty(shape) if out is None else out
     dist.all_to_all_single(recv, send, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows), group=pg)
     STATS.count(kind, send.numel() * send.element_size())
     return recv
