@@ -238,10 +238,11 @@ def context_parallel(
     error = check_model(model)
     inputs, fields = {}, {}
     batch_layout = layout.resolve(None) if isinstance(layout, Auto) else layout  # (no batch: the user shards with cp.layout)
+    layer_flops = layer_flops_per_token(model)
     if error is None and batch is not None:
         try:
             # (under the model's layer work: Auto's placement weighs the ring steps it hides)
-            with dtcp_config.layer_work(layer_flops_per_token(model)):
+            with dtcp_config.layer_work(layer_flops):
                 inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model)
             if error is None:
                 rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
@@ -291,7 +292,7 @@ def context_parallel(
         # They get the batch's documents too.
         documents = {} if state.cu_seqlens is None else {"cu_seqlens": state.cu_seqlens}
         with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=batch_layout, backend=backend, strategy=strategy,
-                                    **documents), dtcp_config.layer_work(layer_flops_per_token(model)):
+                                    **documents), dtcp_config.layer_work(layer_flops):
             # (the model's layer work, unless the user set it: the default cost objective, "auto",
             # then ranks each attention call as part of a training step)
             yield HFContextParallel(mesh, pg, batch_layout, inputs)
