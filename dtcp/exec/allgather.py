@@ -400,8 +400,9 @@ def varlen_forward(q, k, v, pg, plan: VarlenPlan, kernel: Kernel, scale: float, 
 
 
 def varlen_backward(dout, q, k, v, out, lse, pg, plan: VarlenPlan, kernel: Kernel, scale: float,
-                    kv: Optional[torch.Tensor] = None, softcap=None, kv_dtype=None):
-    """Gradients of varlen_forward (kv: the packed K/V it gathered and kept, or None to gather again).
+                    kv=None, softcap=None, kv_dtype=None):
+    """Gradients of varlen_forward (kv: the packed K/V it gathered and kept, as `gather_packed_kv`
+    gives them: a (2, T_k, Hkv, D) tensor or a pair of (T_k, Hkv, D) ones; None to gather again).
     Returns dq, dk, dv in the input dtypes, or dk and dv sums in `kv_dtype` (allgather_backward's)."""
     acc = acc_dtype(q.dtype)
     b, h, l_len, d = k.shape
