@@ -445,3 +445,76 @@ def test_ulysses_documents_take_the_keys_as_they_are(world, docs, heads):
             assert r["bitwise"], r
             if dtype_name == "float64":
                 assert max(r[k] for k in ("out", "lse", "dq", "dk", "dv")) < 1e-10, r
+
+
+# ---- the head exchange alone: an exact permutation -------------------------------------------------
+EXCHANGE_CASES = [
+    # (U, layout, batch, (Hq, Hkv), head dim): the pieces in order (contiguous), a few (zigzag), one
+    # a token (striped), and Balanced's documents placed whole (dozens), with replicated K/V heads,
+    # two batch rows and head dims whose token rows are not a power of two bytes
+    (2, dtcp.Contiguous(), 1, (4, 2), 8),
+    (2, dtcp.Zigzag(), 2, (4, 4), 12),
+    (3, dtcp.Striped(1), 2, (6, 3), 5),
+    (4, dtcp.Balanced((5, 30, 2, 9, 17, 1, 3, 11, 2, 8, 40)), 2, (8, 2), 12),
+    (4, dtcp.Balanced((7,) * 4 + (100,)), 1, (8, 1), 6),
+]
+
+
+@pytest.mark.parametrize("u,layout,batch,heads,e", EXCHANGE_CASES)
+def test_head_exchange_is_an_exact_permutation(u, layout, batch, heads, e):
+    """to_heads gives each rank exactly its heads of the whole sequence in order, float32 lse rows
+    travelling with bf16 ones in the same buffer; to_sequence gives back exactly the shards (K/V
+    heads replicated over ranks come back summed: replicas x the shard)."""
+    from sim_ranks import SimulatedRing, _AllToAll
+    from dtcp.exec import ulysses as ul
+    from dtcp.plan.ulysses import ulysses_plan
+
+    hq, hkv = heads
+    s = sum(layout.doc_lens) if isinstance(layout, dtcp.Balanced) else 12 * u
+    local = s // u
+    g = torch.Generator().manual_seed(u * 100 + hq)
+    q_full = torch.randn(batch, hq, s, e, generator=g).to(torch.bfloat16)
+    kv_full = torch.randn(batch, hkv, s, e, generator=g).to(torch.bfloat16)
+    lse_full = torch.randn(batch, hq, s, 1, generator=g)
+    perm = layout.permutation(s, u)  # rank-major position -> global token
+    shards = [perm[r * local:(r + 1) * local] for r in range(u)]
+
+    def rank_fn(rank, _comm):
+        plan = ulysses_plan(layout, local, u, 1, rank, hq, hkv)
+        own = shards[rank]
+        # token-major q (a projection's (B, L, H, E) transposed) beside head-major K and lse
+        q = q_full[:, :, own].transpose(1, 2).contiguous().transpose(1, 2)
+        kv, lse = kv_full[:, :, own].contiguous(), lse_full[:, :, own].contiguous()
+        q_h, k_h, lse_h = ul.to_heads([(q, plan.q), (kv, plan.kv), (lse, plan.q)], plan, rank)
+        back = ul.to_sequence([(q_h, plan.q, q_h.dtype), (k_h, plan.kv, k_h.dtype), (lse_h, plan.q, lse_h.dtype)],
+                              plan, rank, sum_dtype=torch.float32)
+        return plan, (q, kv, lse), (q_h, k_h, lse_h), back
+
+    saved = ul.all_to_all_bytes
+    ul.all_to_all_bytes = _AllToAll(u)
+    try:
+        results = SimulatedRing(u).run(rank_fn)
+    finally:
+        ul.all_to_all_bytes = saved
+    for rank, (plan, inputs, gathered, back) in enumerate(results):
+        h, first = plan.q.per_rank, plan.q.first_head(rank)
+        kv_first = plan.kv.first_head(rank)
+        assert torch.equal(gathered[0], q_full[:, first:first + h]), rank
+        assert torch.equal(gathered[1], kv_full[:, kv_first:kv_first + plan.kv.per_rank]), rank
+        assert torch.equal(gathered[2], lse_full[:, first:first + h]), rank
+        assert torch.equal(back[0], inputs[0]) and torch.equal(back[2], inputs[2]), rank
+        assert back[0].is_contiguous() and back[1].is_contiguous(), rank
+        assert torch.equal(back[1], (inputs[1].float() * plan.kv.replicas).to(torch.bfloat16)), rank
+
+
+def test_exchange_layout_reads_as_token_rows_of_every_part():
+    """Each part's offset and the row are multiples of the part's token row (and of 16 bytes)."""
+    from dtcp.exec.ulysses import _layout, _row_bytes
+
+    parts = [((2, 7, 3, 5), torch.bfloat16), ((2, 7, 1, 5), torch.float32), ((2, 7, 3, 1), torch.float32),
+             ((2, 7, 2, 128), torch.bfloat16)]
+    offsets, row = _layout(parts)
+    for (shape, dtype), offset in zip(parts, offsets):
+        rb = _row_bytes(shape, dtype)
+        assert offset % rb == 0 and offset % 16 == 0 and row % rb == 0, (shape, dtype, offset, row)
+    assert all(b >= a + math.prod(s) * d.itemsize for (a, (s, d)), b in zip(zip(offsets, parts), offsets[1:]))
