@@ -220,7 +220,7 @@ def splits(row: dict, n: int) -> dict:
     return out
 
 
-def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
+def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False, strategies=STRATEGIES):
     layout, window, cu = mask_call(mask, s)
     kwargs = dict(layout=layout, is_causal=True, enable_gqa=hq != hkv)
     if mask == "window":
@@ -239,7 +239,7 @@ def point(s, hq, hkv, mask, device, iters, n, rank, host_hidden=False):
     pick = lines[0].split()[2]
     predicted = {ln.split()[0]: float(ln.split()[2]) / 1e3 for ln in lines[1:]}
     measured, hidden = {}, {}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         if strategy not in predicted:
             continue
 
@@ -368,6 +368,8 @@ def main():
     p.add_argument("--heads", nargs="+", default=None, help="q/kv pairs, e.g. 32/8 32/32")
     p.add_argument("--host-hidden", action="store_true",
                    help="also time each call with its host hidden (behind a GPU sleep on every rank): its device time")
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
+                   help="time only these (an A/B of one strategy); auto's pick is then not judged")
     p.add_argument("--one-gpu", action="store_true",
                    help="also time the whole sequence on one GPU (FA4 where installed) and print each strategy's split")
     args = p.parse_args()
@@ -387,18 +389,21 @@ def main():
         grid += [(524288, h, "window") for h in heads]
     rows = []
     for s, (hq, hkv), mask in grid:
-        row = point(s, hq, hkv, mask, device, args.iters, n, rank, args.host_hidden)
+        row = point(s, hq, hkv, mask, device, args.iters, n, rank, args.host_hidden, tuple(args.strategies))
         if args.one_gpu:
             row["one_gpu"] = one_gpu(s, hq, hkv, mask, device, args.iters, rank)
         rows.append(row)
         if rank == 0:
             print_row(row)
     if rank == 0:
-        print("\n" + summary(rows))
-        if args.host_hidden:
-            print(summary(rows, "device"))
-        if args.one_gpu:
-            print(split_summary(rows, n))
+        if set(args.strategies) != set(STRATEGIES):
+            print("\n(--strategies narrows each point: auto's pick is not judged)")
+        else:
+            print("\n" + summary(rows))
+            if args.host_hidden:
+                print(summary(rows, "device"))
+            if args.one_gpu:
+                print(split_summary(rows, n))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world_size": n, "machine": str(dtcp.config.cost_machine), "rows": rows,

@@ -518,3 +518,18 @@ def test_exchange_layout_reads_as_token_rows_of_every_part():
         rb = _row_bytes(shape, dtype)
         assert offset % rb == 0 and offset % 16 == 0 and row % rb == 0, (shape, dtype, offset, row)
     assert all(b >= a + math.prod(s) * d.itemsize for (a, (s, d)), b in zip(zip(offsets, parts), offsets[1:]))
+
+
+def test_head_exchange_benchmark_smoke():
+    """benchmarks/bench_head_exchange.py on the CPU, small: every layout's exchange runs (the
+    all-to-all stood in), pieces counted, and the stand-in is put back."""
+    import sys, os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import bench_head_exchange
+    from dtcp.exec import ulysses as ul
+
+    saved = ul.all_to_all_bytes
+    rows = bench_head_exchange.main(["--device", "cpu", "--lengths", "512", "--world-sizes", "2", "--reps", "1"])
+    assert ul.all_to_all_bytes is saved
+    assert [r["layout"] for r in rows] == ["contiguous", "zigzag", "lognormal", "documents"]
+    assert all(r["pieces"] >= 2 and r["to_heads_qkv"] > 0 and r["to_sequence_grads"] > 0 for r in rows), rows
