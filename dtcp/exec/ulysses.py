@@ -69,6 +69,9 @@ def _token_rows(buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 
 
 _INDEX_CACHE: dict = {}
+# Indices kept, at most: a plan (a document structure) takes one per tensor set it exchanges (q,
+# k, v; dout; the way back), and a new structure every batch would otherwise keep each batch's.
+_CACHED = 32
 
 
 def _gather_index(plan: UlyssesPlan, batch: int, first_row: int, rows_per_rank: int,
@@ -85,7 +88,7 @@ def _gather_index(plan: UlyssesPlan, batch: int, first_row: int, rows_per_rank: 
     for j, src, dst, n in plan.pieces:
         start = first_row + j * rows_per_rank + src
         index[:, dst:dst + n] = torch.arange(start, start + n) + torch.arange(batch)[:, None] * l_len
-    return bounded_put(_INDEX_CACHE, key, index.view(-1).to(device))
+    return bounded_put(_INDEX_CACHE, key, index.view(-1).to(device), _CACHED)
 
 
 def _scatter_index(plan: UlyssesPlan, batch: int, device: torch.device) -> torch.Tensor:
@@ -99,7 +102,7 @@ def _scatter_index(plan: UlyssesPlan, batch: int, device: torch.device) -> torch
     index = torch.empty((plan.world_size, batch, l_len), dtype=torch.int64)
     for j, src, dst, n in plan.pieces:
         index[j, :, src:src + n] = torch.arange(dst, dst + n) + torch.arange(batch)[:, None] * total
-    return bounded_put(_INDEX_CACHE, key, index.view(plan.world_size, -1).to(device))
+    return bounded_put(_INDEX_CACHE, key, index.view(plan.world_size, -1).to(device), _CACHED)
 
 
 def _copy_head_split(dest: torch.Tensor, x: torch.Tensor, split: HeadSplit) -> None:
