@@ -8,7 +8,8 @@ Per point (S tokens over U ranks, heads 32/8 of 128, bf16 on CUDA), the time of 
 (dtcp/exec/ulysses.py), for layouts whose gathered order takes few pieces (contiguous, zigzag) and
 many (bench_strategies' `Balanced` mixes). The all-to-all stands in as a clone of the send buffer
 (the bytes a transfer would write), so what is timed is the packing, the reordering and the
-unpacking: what the cost model charges as the exchange's copies. The inputs are token-major, as a
+unpacking: what the cost model charges as the exchange's copies (device time, the launches
+queued behind a GPU sleep). The inputs are token-major, as a
 projection's (B, L, H, D) output transposed gives them.
 """
 
@@ -17,31 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dtcp  # noqa: E402
+from bench_doc_rate import timed_ms  # noqa: E402  (device time: the launches queued behind a GPU sleep)
 from dtcp.exec import ulysses as ul  # noqa: E402
 from dtcp.plan.ulysses import ulysses_plan  # noqa: E402
-
-
-def timed_ms(fn, device: torch.device, reps: int) -> float:
-    fn()
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def layouts(s: int) -> list[tuple[str, dtcp.Layout]]:
