@@ -267,6 +267,16 @@ def hidden_ring_steps(local_len: int, world_size: int, batch: int = 1) -> int:
                                    world_size, machine_for(config.cost_machine))
 
 
+def resolve_auto(layout: Auto, cu_seqlens, seq_len: Optional[int], world_size: int, batch: int = 1) -> Layout:
+    """layout="auto" for one batch of `batch` rows of `seq_len` tokens over `world_size` ranks:
+    `Auto.resolve` with the ring steps the cost objective in force hides (`hidden_ring_steps`;
+    none without documents, or for a length the ranks do not share evenly, which the sharding
+    refuses anyway). Where `context_parallel` and the integrations resolve each batch."""
+    even = bool(seq_len) and seq_len % world_size == 0
+    hidden = hidden_ring_steps(seq_len // world_size, world_size, batch) if cu_seqlens is not None and even else 0
+    return layout.resolve(cu_seqlens, seq_len, hidden_steps=hidden)
+
+
 def op_layout(layout: Layout, cu_seqlens=None) -> tuple[str, Optional[tuple[int, ...]]]:
     """(the layout's spec as the op receives it, the document boundaries as numbers or None): a
     Balanced layout's documents (or, for Balanced(), the call's `cu_seqlens`), a DocZigzag's own

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from .._groups import cp_size_and_rank
-from ..api import hidden_ring_steps, ring_attention
+from ..api import resolve_auto, ring_attention
 from ..layouts import DEFAULT_LAYOUT, Auto, Balanced, Layout, layout_from_spec
 from . import dtensor as _dt
 
@@ -153,8 +153,7 @@ def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int],
     take them from the layout."""
     cu = ring_kwargs.get("cu_seqlens")
     if isinstance(layout, Auto):
-        hidden = hidden_ring_steps(seq_len // world_size, world_size, batch) if cu is not None and seq_len else 0
-        layout = layout.resolve(cu, seq_len, hidden_steps=hidden)
+        layout = resolve_auto(layout, cu, seq_len, world_size, batch)
     if isinstance(layout, Balanced) and layout.doc_lens is None:  # "balanced": the placement of cu_seqlens
         if cu is None:
             raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "

@@ -57,6 +57,7 @@ import dtcp
 
 from . import _patches
 from ..._groups import group_size
+from ...api import resolve_auto
 from ...kernels import KERNELS
 from ...layouts import Auto, Balanced, DocZigzag, Layout, layout_from_spec
 from ...plan import STRATEGIES
@@ -361,8 +362,7 @@ class DtcpTrainer(Trainer):
             # (with the ring steps whose host time the rest of the layer hides: the cost objective's)
             cp = self.parallel_dims.get_mesh("cp").size()
             with dtcp.config.layer_work(self.dtcp_layer_flops):
-                hidden = dtcp.hidden_ring_steps(S // cp, cp, B) if cu is not None and S % cp == 0 else 0
-            layout = layout.resolve(cu, S, hidden_steps=hidden)
+                layout = resolve_auto(layout, cu, S, cp, B)
             chosen = options.layout.by_boundaries(layout) if isinstance(layout, Balanced) else layout
             said = layout.op_spec() if isinstance(layout, Balanced) else layout.name  # (with its hidden steps)
             if getattr(self, "_dtcp_last_choice", None) != said:  # say so when the choice changes

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ...api import hidden_ring_steps
+from ...api import resolve_auto
 from ...comm.guard import digest, tensor_digest
 from ...layouts import Auto, Balanced, DocZigzag, Layout
 from ..._groups import cp_size_and_rank
@@ -175,8 +175,7 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout,
     fields["cu_seqlens"] = "None" if cu_t is None else digest(cu_t.tolist())
     if isinstance(layout, Auto):  # Balanced for one packed row of documents, else Zigzag
         # (with the ring steps whose host time the rest of the layer hides: the cost objective's)
-        hidden = hidden_ring_steps(seq // n, n, bsz) if cu_t is not None and seq % n == 0 else 0
-        layout = layout.resolve(cu_t, seq, hidden_steps=hidden)
+        layout = resolve_auto(layout, cu_t, seq, n, bsz)
         # (the placement follows dtcp.config: ranks configured apart would shard apart)
         fields["layout"] = layout.op_spec() if isinstance(layout, Balanced) else layout.spec()
 
