@@ -428,9 +428,10 @@ def make_point(case: Case, layout_name: str, hq: int, hkv: int, d: int, n: int, 
     elif layout_name == "doczigzag":
         layout = DocZigzag(docs)
         spec, s = "doczigzag", layout.padded_len(n)
-    elif layout_name == "balanced":
+    elif layout_name == "balanced" or is_balanced_variant(layout_name):
         docs = pad_last(docs, n)
-        layout = Balanced(docs, min_chunk=min_chunk)
+        options = balanced_variant(layout_name, n, min_chunk)
+        layout = Balanced(docs, **options)
         spec, s = layout.op_spec(), sum(docs)
     else:
         raise ValueError(f"unknown layout {layout_name!r}")
@@ -442,6 +443,35 @@ def make_point(case: Case, layout_name: str, hq: int, hkv: int, d: int, n: int, 
     layout.check(s, n)
     args = R.CallArgs("", spec, True, default_scale(d), backend, window[0], window[1], "auto")
     return Point(case, hq, hkv, d, n, layout_name, layout, args, cu_values, s // n)
+
+
+def is_balanced_variant(name: str) -> bool:
+    """`--layouts balanced@<min_chunk>+<hidden_steps>` (either part optional, "+N" = every step
+    hidden): `Balanced` with those options, beside the case's own `balanced`."""
+    return name.startswith(("balanced@", "balanced+"))
+
+
+def balanced_variant(name: str, n: int, min_chunk: int) -> dict:
+    """Balanced's keyword arguments for layout `name` ("balanced": the run's --min-chunk, no
+    hidden steps; "balanced@128+N": min_chunk 128, hidden_steps N) over n ranks."""
+    if name == "balanced":
+        return dict(min_chunk=min_chunk)
+    head, _, hidden = name.partition("+")
+    _, _, chunk = head.partition("@")
+    try:
+        return dict(min_chunk=int(chunk) if chunk else min_chunk,
+                    hidden_steps=(n if hidden == "N" else int(hidden)) if hidden else 0)
+    except ValueError:
+        raise ValueError(f"--layouts {name!r}: expected balanced@<min_chunk>+<hidden_steps or N>, e.g. "
+                         "balanced@128+N") from None
+
+
+def case_layouts(case: Case, wanted: Optional[list[str]]) -> list[str]:
+    """The layouts a case runs: its own (those of `wanted` only, where given), then the Balanced
+    variants of `wanted` for cases that have `balanced`."""
+    own = [name for name in case.layouts if not wanted or name in wanted]
+    extra = [name for name in wanted or () if is_balanced_variant(name) and "balanced" in case.layouts]
+    return own + extra
 
 
 def pad_last(docs: tuple[int, ...], multiple: int) -> tuple[int, ...]:
@@ -1188,7 +1218,8 @@ def parse_args(argv=None):
     p.add_argument("--world-sizes", nargs="*", type=int, default=None, help="default 2 4 8 16 (--quick: 2 4 8)")
     p.add_argument("--strategies", nargs="*", default=None, help="ring allgather ulysses hybrid (default: all)")
     p.add_argument("--layouts", nargs="*", default=None,
-                   help="only these of each case's layouts (zigzag contiguous doczigzag balanced; default: all)")
+                   help="only these of each case's layouts (zigzag contiguous doczigzag balanced; default: all); "
+                        "balanced@<min_chunk>+<hidden_steps or N> adds that Balanced to the document cases")
     p.add_argument("--heads", nargs="*", default=None,
                    help="'gqa' (32/8), 'mha' (32/32) or Hq/Hkv; default: each case's own (gqa and mha, or gqa)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -1310,9 +1341,7 @@ def main(argv=None) -> dict:
             for n in world_sizes:
                 if n < case.min_world:
                     continue
-                for layout_name in case.layouts:
-                    if args.layouts and layout_name not in args.layouts:
-                        continue
+                for layout_name in case_layouts(case, args.layouts):
                     try:
                         point = make_point(case, layout_name, hq, hkv, args.head_dim, n, args.backend, min_chunk)
                     except Exception as e:  # noqa: BLE001

@@ -282,3 +282,21 @@ def test_allgather_over_documents_with_the_key_exchange_runs_without_a_process_g
                 dq, dk, dv = bwd(fwd())
             assert dq.shape == j.q_shape and dk.shape == dv.shape == j.kv_shape
             assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
+
+
+def test_balanced_variants_run_beside_the_cases_own_layouts():
+    """--layouts balanced@<min_chunk>+<hidden_steps or N>: that Balanced, on the document cases only,
+    after the case's own layouts."""
+    cases = {c.name: c for c in bench_split.build_cases(1.0)}
+    assert bench_split.case_layouts(cases["pareto-s0"], ["balanced", "balanced@128+N"]) == \
+        ["balanced", "balanced@128+N"]
+    assert bench_split.case_layouts(cases["causal-32k"], ["zigzag", "balanced@128+N"]) == ["zigzag"]
+    assert bench_split.case_layouts(cases["pareto-s0"], None) == list(cases["pareto-s0"].layouts)
+    assert bench_split.balanced_variant("balanced@128+N", 16, 512) == dict(min_chunk=128, hidden_steps=16)
+    assert bench_split.balanced_variant("balanced+3", 16, 512) == dict(min_chunk=512, hidden_steps=3)
+    assert bench_split.balanced_variant("balanced@64", 8, 512) == dict(min_chunk=64, hidden_steps=0)
+    with pytest.raises(ValueError, match="balanced@128\\+N"):
+        bench_split.balanced_variant("balanced@x+N", 8, 512)
+    point = bench_split.make_point(cases["lognormal-s0"], "balanced@128+N", 32, 8, 128, 16, "auto")
+    assert point.layout.min_chunk == 128 and point.layout.hidden_steps == 16
+    assert point.args.layout == "balanced@128+16"
