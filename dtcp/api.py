@@ -267,14 +267,78 @@ def hidden_ring_steps(local_len: int, world_size: int, batch: int = 1) -> int:
                                    world_size, machine_for(config.cost_machine))
 
 
-def resolve_auto(layout: Auto, cu_seqlens, seq_len: Optional[int], world_size: int, batch: int = 1) -> Layout:
+def resolve_auto(layout: Auto, cu_seqlens, seq_len: Optional[int], world_size: int, batch: int = 1,
+                 strategy: str = "auto") -> Layout:
     """layout="auto" for one batch of `batch` rows of `seq_len` tokens over `world_size` ranks:
     `Auto.resolve` with the ring steps the cost objective in force hides (`hidden_ring_steps`;
     none without documents, or for a length the ranks do not share evenly, which the sharding
-    refuses anyway). Where `context_parallel` and the integrations resolve each batch."""
+    refuses anyway). Where `dtcp.config.attention_heads` is set, a Balanced batch is placed for
+    the strategy predicted fastest on it (`placed_for_the_fastest_strategy`; `strategy`: the
+    calls' own, "auto" or one strategy). Where `context_parallel` and the integrations resolve
+    each batch."""
     even = bool(seq_len) and seq_len % world_size == 0
     hidden = hidden_ring_steps(seq_len // world_size, world_size, batch) if cu_seqlens is not None and even else 0
-    return layout.resolve(cu_seqlens, seq_len, hidden_steps=hidden)
+    resolved = layout.resolve(cu_seqlens, seq_len, hidden_steps=hidden)
+    if isinstance(resolved, Balanced) and config.attention_heads is not None and even and world_size > 1:
+        return placed_for_the_fastest_strategy(resolved, world_size, batch, strategy)
+    return resolved
+
+
+#: the work-balanced placement's shortest cut chunk (Balanced(min_chunk=)): two FlashAttention-4
+#: query tiles. With no ring steps to save, a cut costs its pieces a partly masked tile and the
+#: keys the all-gather's exchange then moves; by the cost model (32/8 heads of 128, bench_split's
+#: log-normal mixes over 16 ranks) 256 beats 128 by 10% there, at 1.02x the mean's work or less.
+WORK_MIN_CHUNK = 256
+#: a ring placement whose busiest rank holds more than this fraction above the mean's work is
+#: weighed against the work-balanced one (below it, balancing the work cannot pay)
+WORK_IMBALANCE = 0.05
+#: ... which is taken where the cost model predicts it at least this much faster (the model's
+#: error on measured calls: median 10%)
+WORK_GAIN = 0.10
+
+
+def placed_for_the_fastest_strategy(ring_placed: Balanced, world_size: int, batch: int = 1,
+                                    strategy: str = "auto") -> Balanced:
+    """`ring_placed` (Balanced's placement for the ring: its ring steps weighed against the work
+    it leaves a rank, `Balanced(hidden_steps=)`), or the placement that balances the work alone
+    (`Balanced(min_chunk=WORK_MIN_CHUNK, hidden_steps=world_size)`) where the strategy the cost
+    model picks on it (`strategy="auto"`, or `strategy` itself) is predicted `WORK_GAIN` faster
+    than its pick on `ring_placed`, for calls of `dtcp.config.attention_heads` over these
+    documents (causal, bf16; `explain`'s predictions, which see what the call would run on CUDA).
+
+    Why: the ring's placement keeps a rank up to 2.3x the mean's work to spare it ring steps
+    (log-normal mixes of 128K tokens over 16 ranks), which the all-gather's one launch and
+    Ulysses' whole-sequence kernels do not take; the all-gather over documents moves only the
+    keys other ranks read, few on a placement that cuts few documents. Deterministic: every rank
+    places alike (the op agrees on the placement's spec, and raises on every rank otherwise)."""
+    docs = ring_placed.doc_lens
+    work = ring_placed.rank_work(world_size)
+    mean = sum(work) / world_size
+    if not mean or max(work) <= (1 + WORK_IMBALANCE) * mean:
+        return ring_placed
+    work_placed = Balanced(docs, min_chunk=min(ring_placed.min_chunk, WORK_MIN_CHUNK), hidden_steps=world_size)
+    if max(work_placed.rank_work(world_size)) >= max(work):  # (the same placement, or no better balanced)
+        return ring_placed
+    ring_s = _predicted_call_s(ring_placed, world_size, batch, strategy)
+    work_s = _predicted_call_s(work_placed, world_size, batch, strategy)
+    return work_placed if work_s < (1 - WORK_GAIN) * ring_s else ring_placed
+
+
+def _predicted_call_s(placed: Balanced, world_size: int, batch: int, strategy: str) -> float:
+    """The cost model's time for a causal call of dtcp.config.attention_heads (bf16) over
+    `placed`'s documents with `strategy` ("auto": what auto would pick), or inf where it allows
+    none."""
+    q_heads, kv_heads, head_dim = config.attention_heads
+    local_len = sum(placed.doc_lens) // world_size
+    q = torch.empty(batch, q_heads, local_len, head_dim, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(batch, kv_heads, local_len, head_dim, device="meta", dtype=torch.bfloat16)
+    args = CallArgs("", placed.op_spec(), True, default_scale(head_dim), "auto", -1, -1, strategy)
+    try:
+        pick, preds = _explain(q, kv, kv, args, tuple(placed.cu_seqlens.tolist()), world_size, 0)
+    except ValueError:
+        return float("inf")
+    want = pick if strategy == "auto" else strategy
+    return next((p.total_s for p in preds if p.strategy == want), float("inf"))
 
 
 def op_layout(layout: Layout, cu_seqlens=None) -> tuple[str, Optional[tuple[int, ...]]]:

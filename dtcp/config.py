@@ -21,6 +21,7 @@ nothing reads the environment or a module global on the hot path.
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
 | `layer_flops_per_token` | None | `DTCP_LAYER_FLOPS_PER_TOKEN` | the device FLOPs per token of the rest of the layer around each attention call, forward + backward (6 x the layer's matmul parameters): what the "step" objective weighs the call's host time against. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset |
+| `attention_heads` | None | `DTCP_ATTENTION_HEADS` | (query heads, key/value heads, head dim) of the model's attention calls, e.g. `(32, 8, 128)` (`"32,8,128"`): with it, `layout="auto"` places each packed batch for the strategy the cost model predicts fastest on it: `Balanced`'s placement for the ring (ring steps weighed), or one that balances the work alone (`Balanced(min_chunk=128, hidden_steps=N)`) where the all-gather or Ulysses on it is predicted at least 10% faster. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset. None: the ring's placement |
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
@@ -62,6 +63,10 @@ def _parse_choice(value: str) -> str:
     return value.strip().lower()
 
 
+def _parse_ints(value: str) -> tuple:
+    return tuple(int(x) for x in value.replace(" ", "").split(","))
+
+
 #: (environment variable, setting, parser): read once, by Config.from_env
 _ENVIRONMENT = (
     ("DTCP_TIMEOUT", "timeout_s", float),
@@ -72,6 +77,7 @@ _ENVIRONMENT = (
     ("DTCP_MERGE_SLOTS_BYTES", "merge_slots_bytes", int),
     ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
     ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
+    ("DTCP_ATTENTION_HEADS", "attention_heads", _parse_ints),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
     ("DTCP_KERNEL_REPLAY", "kernel_replay", _parse_bool),
     ("DTCP_ALLGATHER_EXCHANGE", "allgather_exchange", _parse_bool),
@@ -101,6 +107,7 @@ class Config:
     cost_machine: object = None
     cost_objective: str = "auto"
     layer_flops_per_token: Optional[float] = None
+    attention_heads: Optional[tuple] = None
 
     def cost_objective_in_force(self) -> str:
         """The objective `strategy="auto"` minimizes: cost_objective, with "auto" resolved ("step"
@@ -114,12 +121,16 @@ class Config:
                              "DTCP_LAYER_FLOPS_PER_TOKEN, or use cost_objective 'auto'")
         return objective
 
-    def layer_work(self, flops: Optional[float]):
-        """A block in which layer_flops_per_token is `flops` (what the integrations read from the
-        model), unless it is set already (the user's value stands) or `flops` is None or 0."""
-        if not flops or self.layer_flops_per_token is not None:
-            return contextlib.nullcontext(self)
-        return self.override(layer_flops_per_token=flops)
+    def layer_work(self, flops: Optional[float], attention_heads: Optional[tuple] = None):
+        """A block in which layer_flops_per_token is `flops` and attention_heads is
+        `attention_heads` (what the integrations read from the model), each unless it is set
+        already (the user's value stands) or not given (None, or 0 FLOPs)."""
+        changes = {}
+        if flops and self.layer_flops_per_token is None:
+            changes["layer_flops_per_token"] = flops
+        if attention_heads is not None and self.attention_heads is None:
+            changes["attention_heads"] = attention_heads
+        return self.override(**changes) if changes else contextlib.nullcontext(self)
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:
@@ -184,6 +195,16 @@ def _checked(name: str, value):
             raise ValueError(f"dtcp.config.layer_flops_per_token must be a positive number of FLOPs per token (6 x "
                              f"a layer's matmul parameters, forward + backward) or None; got {value!r}")
         return None if value is None else float(value)
+    if name == "attention_heads":
+        if value is None:
+            return None
+        if not (isinstance(value, (tuple, list)) and len(value) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value)
+                and value[0] % value[1] == 0):
+            raise ValueError(f"dtcp.config.attention_heads must be (query heads, key/value heads, head dim), three "
+                             f"positive ints with the query heads a multiple of the key/value heads (e.g. (32, 8, "
+                             f"128)), or None; got {value!r}")
+        return tuple(value)
     if name == "cost_machine":
         if value is not None and not hasattr(value, "kernel_flops_per_s"):
             raise TypeError(f"dtcp.config.cost_machine must be a dtcp.plan.Machine (e.g. dtcp.calibrate()) or None; "

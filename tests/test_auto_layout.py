@@ -92,6 +92,75 @@ def test_hidden_ring_steps_follow_the_cost_objective():
             dtcp.hidden_ring_steps(8192, 16)
 
 
+def _bench_docs(name, n):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    import bench_split
+
+    case = {c.name: c for c in bench_split.build_cases(1.0)}[name]
+    return bench_split.pad_last(case.docs, n)
+
+
+@pytest.mark.parametrize("name,n,want", [
+    # 128K tokens over 16 ranks: the ring's placement keeps one rank at 2.31x / 1.86x the mean's work
+    # (log-normal mixes, documents up to 7K / 16K whole) to spare it ring steps
+    ("lognormal-s0", 16, "balanced@256+16"),
+    ("lognormal-s1", 16, "balanced@256+16"),
+    # Pareto s1 (1.59x): Ulysses is the pick on either placement, which it does not change; Pareto
+    # s0 and every mix at 8 ranks: the ring's placement is balanced already (within 1.03x)
+    ("pareto-s1", 16, "balanced"),
+    ("pareto-s0", 16, "balanced"),
+    ("lognormal-s0", 8, "balanced"),
+    ("lognormal-s1", 8, "balanced"),
+    ("pareto-s1", 8, "balanced"),
+])
+def test_auto_places_for_the_strategy_predicted_fastest(name, n, want):
+    """With dtcp.config.attention_heads (32/8 heads of 128, an 8B-class model's), layout="auto"
+    weighs Balanced's placement for the ring against the one balancing the work alone
+    (min_chunk 256, every step hidden), each under the strategy the cost model picks on it (the
+    shipped H200 constants), and takes the latter where it is predicted 10% faster."""
+    from dtcp.api import placed_for_the_fastest_strategy, resolve_auto
+
+    docs = _bench_docs(name, n)
+    cu = torch.tensor(_cu(docs), dtype=torch.int32)
+    assert resolve_auto(dtcp.Auto(), cu, sum(docs), n) == dtcp.Balanced(docs)  # (no heads: the ring's, as before)
+    with dtcp.config.override(attention_heads=(32, 8, 128), cost_objective="call"):
+        chosen = resolve_auto(dtcp.Auto(), cu, sum(docs), n)
+        assert chosen.op_spec() == want, chosen
+        ring = dtcp.Balanced(docs)
+        work = ring.rank_work(n)
+        if want != "balanced":
+            # the ring's placement is unbalanced, the chosen one within 1.02x of the mean
+            assert max(work) / (sum(work) / n) > 1.8
+            assert max(chosen.rank_work(n)) / (sum(work) / n) < 1.02
+            # one strategy asked for: the ring on the work-balanced placement pays its steps
+            assert placed_for_the_fastest_strategy(ring, n, strategy="ring") == ring
+            assert placed_for_the_fastest_strategy(ring, n, strategy="allgather") == chosen
+
+
+def test_auto_placement_choice_leaves_other_batches_as_they_were():
+    """Zigzag batches, one rank, and lengths the ranks do not share stay as Auto.resolve gives them."""
+    from dtcp.api import resolve_auto
+
+    with dtcp.config.override(attention_heads=(32, 8, 128)):
+        assert resolve_auto(dtcp.Auto(), None, 4096, 16) is dtcp.Auto().resolve(None)
+        assert resolve_auto(dtcp.Auto(), [0, 4096], 4096, 16) == dtcp.Zigzag()
+        assert resolve_auto(dtcp.Auto(), [0, 100, 4096], 4096, 1) == dtcp.Balanced((100, 3996))
+        assert resolve_auto(dtcp.Auto(), [0, 100, 4097], 4097, 16) == dtcp.Balanced((100, 3997))
+
+
+def test_attention_heads_checks_its_value():
+    for bad in ((32, 5, 128), (32, 8), (0, 8, 128), (32, 8, True), "32,8,128"):
+        with pytest.raises(ValueError, match="attention_heads must be"):
+            dtcp.config.attention_heads = bad
+    with dtcp.config.layer_work(None, [32, 8, 128]):
+        assert dtcp.config.attention_heads == (32, 8, 128)
+        with dtcp.config.layer_work(None, (4, 4, 8)):  # (a value in force stands)
+            assert dtcp.config.attention_heads == (32, 8, 128)
+    assert dtcp.config.attention_heads is None
+
+
 # ---- ring_attention(layout="balanced", cu_seqlens=...) ------------------------------------------------
 
 
@@ -151,9 +220,22 @@ def test_auto_and_balanced_without_documents_raise_on_every_rank():
 # ---- dtcp.context_parallel(layout="auto") -------------------------------------------------------------
 
 
-def context_parallel_auto(docs, b, objective="auto", min_chunk=1):
+def kernel_bound_machine():
+    """Cost-model constants under which tiny CPU calls weigh like long GPU ones: kernels at 1
+    MFLOP/s, no host or link costs, so that the slowest rank's work decides (the placement choice
+    of layout="auto" flips on the small mixes these tests run)."""
+    from dataclasses import replace
+
+    from dtcp.plan.cost import MACHINES
+
+    return replace(MACHINES["h200-nvlink"], name="kernel-bound", kernel_flops_per_s=1e6, kernel_rates=(),
+                   launch_host_s=(), fixed_s=(), call_overhead_s=0.0, latency_s=0.0, ring_launch_host_s=0.0)
+
+
+def context_parallel_auto(docs, b, objective="auto", min_chunk=1, heads=None):
     """A layer's projections and F.scaled_dot_product_attention inside dtcp.context_parallel with
-    layout="auto" and the batch's documents, under `objective` (dtcp.config.cost_objective): the
+    layout="auto" and the batch's documents, under `objective` (dtcp.config.cost_objective) and,
+    with `heads`, dtcp.config.attention_heads = heads and the kernel-bound cost machine: the
     layout it chose, and the errors of the output and of every gradient against the same layer on
     one process (documents masked)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -179,7 +261,8 @@ def context_parallel_auto(docs, b, objective="auto", min_chunk=1):
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     kwargs = {} if cu is None else {"cu_seqlens": cu}
-    with dtcp.config.override(cost_objective=objective), \
+    placing = {} if heads is None else {"attention_heads": heads, "cost_machine": kernel_bound_machine()}
+    with dtcp.config.override(cost_objective=objective, **placing), \
             dtcp.context_parallel(mesh, [xl], [1], layout=dtcp.Auto(min_chunk=min_chunk), **kwargs) as cp:
         out = layer(xl, wl)
         out.backward(cp.layout.shard(dout, cp.group, 2))
@@ -189,7 +272,9 @@ def context_parallel_auto(docs, b, objective="auto", min_chunk=1):
     dw = wl.grad.clone()
     dist.all_reduce(dw)  # each rank's rows' share of the weight gradient
     errs["dw"] = exact_err(dw, wr.grad)
-    return {"layout": chosen.name, "hidden_steps": getattr(chosen, "hidden_steps", None), **errs}
+    return {"layout": chosen.name, "hidden_steps": getattr(chosen, "hidden_steps", None),
+            "spec": chosen.op_spec() if isinstance(chosen, dtcp.Balanced) else chosen.spec(),
+            "work": list(chosen.rank_work(n)) if isinstance(chosen, dtcp.Balanced) else None, **errs}
 
 
 @pytest.mark.parametrize("n,docs,b,want", [
@@ -229,6 +314,42 @@ def test_context_parallel_auto_places_for_the_device_objective():
         assert max(r[key] for key in ("out", "dx", "dw")) < 1e-10, r
 
 
+@pytest.mark.parametrize("n,docs,want", [
+    ((4, (56, 7, 7, 8, 17, 9, 9, 9, 32, 14), "balanced@4+4")),  # the ring's placement: 1.33x the mean's work
+    ((2, (17, 10, 5, 32), "balanced@4+2")),                     # 1.41x
+    ((2, (17, 8, 39), "balanced@4")),                           # 1.01x: nothing to gain, the ring's
+])
+def test_context_parallel_auto_places_for_the_fastest_strategy_exact(n, docs, want):
+    """With dtcp.config.attention_heads set (and a cost machine whose kernels dominate these tiny
+    calls), layout="auto" shards a batch whose ring placement leaves a rank well above the mean's
+    work with the placement balancing the work alone (every step hidden); exact either way."""
+    # (heads given as 4 of 8 dims: what FA4 serves on the GPU the cost machine describes, where 4
+    # dims would be predicted for the math kernel, which computes whole blocks)
+    for r in run_ranks(n, context_parallel_auto, docs, 1, "call", 4, (4, 4, 8)):
+        assert r["spec"] == want, r
+        assert max(r[key] for key in ("out", "dx", "dw")) < 1e-10, r
+        if want != "balanced@4":
+            assert max(r["work"]) / (sum(r["work"]) / n) < 1.06, r
+
+
+def context_parallel_heads_on_rank_0(docs):
+    """dtcp.config.attention_heads on rank 0 only: its placement differs from the others'."""
+    try:
+        context_parallel_auto(docs, 1, "call", 4, (4, 4, 8) if dist.get_rank() == 0 else None)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def test_context_parallel_auto_heads_set_on_one_rank_raise_on_every_rank():
+    """Ranks configured apart shard the batch apart: the attention call's agreement names the
+    layout each has. (A mix of its own: a rank that had agreed on one of the two routes before
+    would not agree again, and the pair would wait for each other until timeout_s, the
+    per-route agreement's documented limit: docs/guide/failures.md.)"""
+    for r in run_ranks(2, context_parallel_heads_on_rank_0, (15, 12, 5, 32)):
+        assert r.startswith("PeerMismatchError") and "rank 0 balanced@4+2, rank 1 balanced@4" in r, r
+
+
 # ---- transformers: auto by default, compiled, a new document mix every step -------------------------
 
 
@@ -237,7 +358,12 @@ MIXES = ((19, 5, 3, 5), (2, 2, 28), (10, 10, 6, 4, 2), (16, 16), (7, 1, 1, 1, 22
 HIDDEN_MIXES = ((17, 8, 39), (33, 21, 10), (19, 10, 30, 1, 4), (31, 33), (17, 10, 5, 32))
 
 
-def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="auto"):
+# (64 tokens over 2 ranks, min_chunk 4, the kernel-bound cost machine: placed in turn for the ring and,
+# where the ring's placement leaves one rank 1.2-1.4x the mean's work, balancing the work alone)
+FASTEST_MIXES = ((17, 10, 5, 32), (17, 8, 39), (19, 5, 3, 5, 32), (33, 21, 10), (9, 9, 14, 32), (31, 33))
+
+
+def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="auto", machine=None):
     """A tiny Llama, attn_implementation="dtcp", compiled once (aot_eager, fullgraph): each step a
     packed row of a new document mix (another number of documents, the same length) through the
     integration's default layout ("auto" -> Balanced), under `objective`
@@ -265,13 +391,13 @@ def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     g = torch.Generator().manual_seed(2)
     coll = transformers.DataCollatorWithFlattening(return_tensors="pt")
-    errs, frames, layouts, hidden = [], [], [], set()
+    errs, frames, layouts, hidden, specs = [], [], [], set(), []
     for docs in mixes:
         batch = dict(coll([{"input_ids": torch.randint(0, 64, (d,), generator=g).tolist()} for d in docs]))
         grads = []
         for net, runner in ((eager, eager), (model, compiled)):
             net.zero_grad()
-            with dtcp.config.override(cost_objective=objective), \
+            with dtcp.config.override(cost_objective=objective, cost_machine=machine), \
                     dtcp_hf.context_parallel(net, mesh, batch, layout=layout) as cp:
                 out = runner(**cp.inputs)
                 out.loss.backward()
@@ -280,11 +406,12 @@ def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="
             grads.append((logits, [p.grad.clone() for p in net.parameters()]))
             layouts.append(cp.layout.name)
             hidden.add(cp.layout.hidden_steps)
+            specs.append(cp.layout.op_spec())
         (le, ge), (lc, gc) = grads
         errs += [exact_err(lc, le)] + [exact_err(a, b) for a, b in zip(gc, ge)]
         frames.append(counter.frame_count)
     return {"max_err": max(errs), "frames": frames, "graph_breaks": sum(counters["graph_break"].values()),
-            "layouts": sorted(set(layouts)), "hidden_steps": sorted(hidden)}
+            "layouts": sorted(set(layouts)), "hidden_steps": sorted(hidden), "specs": specs[::2]}
 
 
 def test_transformers_auto_compiled_new_documents_every_step():
@@ -306,3 +433,19 @@ def test_transformers_auto_compiled_for_the_device_objective():
         assert r["layouts"] == ["balanced"] and r["hidden_steps"] == [2], r
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
         assert r["frames"] == [1] * len(r["frames"]), r
+
+
+def test_transformers_auto_compiled_places_for_the_fastest_strategy():
+    """The integration gives layout="auto" the model's heads (4/2 of 8: dtcp.config.attention_heads
+    inside its block), so that each batch is placed for the strategy predicted fastest on it: with
+    the kernel-bound cost machine, the ring's placement or the one balancing the work alone, in
+    turn. Compiled (aot_eager, fullgraph): equal to eager on every step, no graph break, and one
+    compile per placement kind (the attention calls take one Balanced without documents per kind),
+    not one per batch."""
+    pytest.importorskip("transformers")
+    for r in run_ranks(2, hf_compiled_new_documents_every_step, FASTEST_MIXES, "call", dtcp.Auto(min_chunk=4),
+                       kernel_bound_machine(), timeout=400):
+        assert r["specs"] == ["balanced@4+2", "balanced@4", "balanced@4+2", "balanced@4", "balanced@4+2",
+                              "balanced@4"], r
+        assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r
+        assert r["frames"] == [1, 2, 2, 2, 2, 2], r

@@ -19,6 +19,7 @@ GOOD = {
     "DTCP_RING_STEPS_PER_LAUNCH": ("AUTO", "ring_steps_per_launch", "auto"),
     "DTCP_KERNEL_REPLAY": ("off", "kernel_replay", False),
     "DTCP_ALLGATHER_EXCHANGE": ("0", "allgather_exchange", False),
+    "DTCP_ATTENTION_HEADS": ("32, 8,128", "attention_heads", (32, 8, 128)),
 }
 BAD = {
     "DTCP_TIMEOUT": ("soon", "could not convert"),
@@ -32,6 +33,7 @@ BAD = {
     "DTCP_RING_STEPS_PER_LAUNCH": ("0", "must be an int >= 1"),
     "DTCP_KERNEL_REPLAY": ("sometimes", "use 1 or 0"),
     "DTCP_ALLGATHER_EXCHANGE": ("partly", "use 1 or 0"),
+    "DTCP_ATTENTION_HEADS": ("32,5,128", "query heads a multiple of the key/value heads"),
 }
 
 

@@ -153,7 +153,7 @@ def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int],
     take them from the layout."""
     cu = ring_kwargs.get("cu_seqlens")
     if isinstance(layout, Auto):
-        layout = resolve_auto(layout, cu, seq_len, world_size, batch)
+        layout = resolve_auto(layout, cu, seq_len, world_size, batch, ring_kwargs.get("strategy", "auto"))
     if isinstance(layout, Balanced) and layout.doc_lens is None:  # "balanced": the placement of cu_seqlens
         if cu is None:
             raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "

@@ -317,6 +317,20 @@ def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
     return 6.0 * params if params else None
 
 
+def attention_heads(model: torch.nn.Module) -> Optional[tuple[int, int, int]]:
+    """(query heads, key/value heads, head dim) of the model's first attention module (one with
+    int ``n_heads`` and ``head_dim``, ``n_kv_heads`` defaulting to ``n_heads``: torchtitan's
+    GQAttention): what `layout="auto"` places a packed batch for (dtcp.config.attention_heads).
+    None where no module has them."""
+    for module in model.modules():
+        heads, head_dim = getattr(module, "n_heads", None), getattr(module, "head_dim", None)
+        if isinstance(heads, int) and isinstance(head_dim, int) and heads > 0 and head_dim > 0:
+            kv_heads = getattr(module, "n_kv_heads", None) or heads
+            if isinstance(kv_heads, int) and heads % kv_heads == 0:
+                return heads, kv_heads, head_dim
+    return None
+
+
 # ---- the trainer -----------------------------------------------------------------------------
 class DtcpTrainer(Trainer):
     """torchtitan's Trainer with dtcp as its context parallelism (see the module docstring)."""
@@ -335,6 +349,7 @@ class DtcpTrainer(Trainer):
         config.model_spec = dtcp_model_spec(config.model_spec, options)
         super().__init__(config)
         self.dtcp_layer_flops = layer_flops_per_token(self.model_parts[0])
+        self.dtcp_attention_heads = attention_heads(self.model_parts[0])
         if self.dtcp_layer_flops and dtcp.config.layer_flops_per_token is None:
             logger.info(f"dtcp: layer_flops_per_token {self.dtcp_layer_flops:.4g} (the model's transformer block), "
                         f"for the cost objective {dtcp.config.cost_objective!r}")
@@ -342,7 +357,7 @@ class DtcpTrainer(Trainer):
     def forward_backward_step(self, **kwargs):
         """torchtitan's, with dtcp.config.layer_flops_per_token the model's (unless the user set it):
         the default cost objective ("auto") then ranks each attention call as part of this step."""
-        with dtcp.config.layer_work(self.dtcp_layer_flops):
+        with dtcp.config.layer_work(self.dtcp_layer_flops, self.dtcp_attention_heads):
             return super().forward_backward_step(**kwargs)
 
     def post_dataloading_process(self, input_dict, labels):
@@ -361,8 +376,8 @@ class DtcpTrainer(Trainer):
             # Balanced for one packed row of documents, else zigzag (rows of their own documents)
             # (with the ring steps whose host time the rest of the layer hides: the cost objective's)
             cp = self.parallel_dims.get_mesh("cp").size()
-            with dtcp.config.layer_work(self.dtcp_layer_flops):
-                layout = resolve_auto(layout, cu, S, cp, B)
+            with dtcp.config.layer_work(self.dtcp_layer_flops, self.dtcp_attention_heads):
+                layout = resolve_auto(layout, cu, S, cp, B, options.strategy)
             chosen = options.layout.by_boundaries(layout) if isinstance(layout, Balanced) else layout
             said = layout.op_spec() if isinstance(layout, Balanced) else layout.name  # (with its hidden steps)
             if getattr(self, "_dtcp_last_choice", None) != said:  # say so when the choice changes

@@ -87,10 +87,11 @@ def _model_positions(model, batch: Mapping[str, Any]) -> Optional[torch.Tensor]:
 
 
 def prepare_batch(batch: Mapping[str, Any], group, layout: Layout,
-                  model=None) -> tuple[dict, Optional[str], dict, Layout]:
+                  model=None, strategy: str = "auto") -> tuple[dict, Optional[str], dict, Layout]:
     """The model's keyword arguments for this rank, from the full batch (see `context_parallel`).
     `model` (optional): the model, for position ids it makes its own way (`_model_positions`).
-    `layout` may be `Auto()`: resolved here from the batch's documents.
+    `layout` may be `Auto()`: resolved here from the batch's documents (for the attention calls'
+    `strategy`: dtcp.api.resolve_auto).
 
     Returns (inputs, error, fields, layout): `error` is a message (the same on every rank given the
     same batch) or None; `fields` describe the batch for the ranks' agreement; `layout` is the one
@@ -175,7 +176,7 @@ def prepare_batch(batch: Mapping[str, Any], group, layout: Layout,
     fields["cu_seqlens"] = "None" if cu_t is None else digest(cu_t.tolist())
     if isinstance(layout, Auto):  # Balanced for one packed row of documents, else Zigzag
         # (with the ring steps whose host time the rest of the layer hides: the cost objective's)
-        layout = resolve_auto(layout, cu_t, seq, n, bsz)
+        layout = resolve_auto(layout, cu_t, seq, n, bsz, strategy)
         # (the placement follows dtcp.config: ranks configured apart would shard apart)
         fields["layout"] = layout.op_spec() if isinstance(layout, Balanced) else layout.spec()
 

@@ -78,6 +78,22 @@ def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
     return decoder_layer_flops_per_token(hidden, ffn, heads, kv_heads, head_dim)
 
 
+def attention_heads(model: torch.nn.Module) -> Optional[tuple[int, int, int]]:
+    """(query heads, key/value heads, head dim) of the model's attention, from its (text) config:
+    what `layout="auto"` places a packed batch for (dtcp.config.attention_heads). None when the
+    config lacks them."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if not (isinstance(heads, int) and heads > 0):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
+    if not (isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim > 0 and heads % kv_heads == 0):
+        return None
+    return heads, kv_heads, head_dim
+
+
 def check_model(model: torch.nn.Module) -> Optional[str]:
     """Why `model` cannot run under dtcp's context parallelism, or None. Depends on the model's
     configuration only, so it is the same on every rank."""
@@ -238,12 +254,13 @@ def context_parallel(
     error = check_model(model)
     inputs, fields = {}, {}
     batch_layout = layout.resolve(None) if isinstance(layout, Auto) else layout  # (no batch: the user shards with cp.layout)
-    layer_flops = layer_flops_per_token(model)
+    layer_flops, heads = layer_flops_per_token(model), attention_heads(model)
     if error is None and batch is not None:
         try:
-            # (under the model's layer work: Auto's placement weighs the ring steps it hides)
-            with dtcp_config.layer_work(layer_flops):
-                inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model)
+            # (under the model's layer work and heads: Auto's placement weighs the ring steps it
+            # hides, and places for the strategy predicted fastest on the batch)
+            with dtcp_config.layer_work(layer_flops, heads):
+                inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model, strategy)
             if error is None:
                 rows = inputs.get("input_ids", inputs.get("inputs_embeds"))
                 error = check_model_for_length(model, int(rows.shape[1]) * cp_size_and_rank(pg)[0])
@@ -292,7 +309,7 @@ def context_parallel(
         # They get the batch's documents too.
         documents = {} if state.cu_seqlens is None else {"cu_seqlens": state.cu_seqlens}
         with _sdpa_context_parallel(mesh, mesh_dim=mesh_dim, layout=batch_layout, backend=backend, strategy=strategy,
-                                    **documents), dtcp_config.layer_work(layer_flops):
+                                    **documents), dtcp_config.layer_work(layer_flops, heads):
             # (the model's layer work, unless the user set it: the default cost objective, "auto",
             # then ranks each attention call as part of a training step)
             yield HFContextParallel(mesh, pg, batch_layout, inputs)
