@@ -291,6 +291,22 @@ def test_layer_flops_per_token_of_a_transformer_block():
     assert layer_flops_per_token(moe) == 6 * (4 * 8 + 2 * 8 * 4)
 
 
+def test_attention_heads_of_the_model():
+    """What the trainer gives layout="auto" (dtcp.config.attention_heads): the first attention
+    module's heads (llama3's debug model: 16 of 16 dims, n_kv_heads None = n_heads)."""
+    from dtcp.integrations.torchtitan._v030 import attention_heads
+
+    cfg = parse("--module", CONFIGS, "--config", "llama3_debug_dtcp")
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    assert attention_heads(model) == (16, 16, 16)
+    assert attention_heads(torch.nn.Linear(2, 2)) is None
+    gqa = torch.nn.Module()
+    gqa.attn = torch.nn.Module()
+    gqa.attn.n_heads, gqa.attn.n_kv_heads, gqa.attn.head_dim = 32, 8, 128
+    assert attention_heads(gqa) == (32, 8, 128)
+
+
 def test_window_changes_the_losses(seeded):
     """The window runs would pass vacuously if the window changed nothing."""
     a, b = _cp1(seeded), _cp1(seeded, "--dtcp.window_size", "16")

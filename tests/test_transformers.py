@@ -600,6 +600,20 @@ def test_layer_flops_per_token_from_configs():
     assert layer_flops_per_token(SimpleNamespace(config=SimpleNamespace(hidden_size=32, num_attention_heads=4))) is None
 
 
+def test_attention_heads_from_configs():
+    """(query heads, key/value heads, head dim) from the config, what layout="auto" places for
+    (dtcp.config.attention_heads): the test models' 4/2 of 8; head_dim from hidden_size / heads
+    where the config has none; None without the heads."""
+    from types import SimpleNamespace
+
+    from dtcp.integrations.transformers.block import attention_heads
+
+    assert attention_heads(build("llama", "dtcp")) == (4, 2, 8)
+    assert attention_heads(SimpleNamespace(config=SimpleNamespace(hidden_size=64, num_attention_heads=8))) == (8, 8, 8)
+    assert attention_heads(SimpleNamespace(config=SimpleNamespace(hidden_size=64))) is None
+    assert attention_heads(SimpleNamespace()) is None
+
+
 def block_sets_the_layer_work(user_value):
     """dtcp.config.layer_flops_per_token and the objective in force, inside and after a block
     (with `user_value` set by the user before it, or not)."""
@@ -611,7 +625,9 @@ def block_sets_the_layer_work(user_value):
         with dtcp_hf.context_parallel(model, cp_mesh(), make_batch("packed", 32)) as cp:
             model(**cp.inputs)
             seen["inside"] = (dtcp.config.layer_flops_per_token, dtcp.config.cost_objective_in_force())
+            seen["heads"] = dtcp.config.attention_heads
         seen["after"] = dtcp.config.layer_flops_per_token
+        seen["heads_after"] = dtcp.config.attention_heads
     seen["model"] = layer_flops_per_token(model)
     return seen
 
@@ -624,3 +640,4 @@ def test_block_gives_dtcp_the_layer_work(user_value):
     for seen in run_ranks(2, block_sets_the_layer_work, user_value):
         want = seen["model"] if user_value is None else user_value
         assert seen["inside"] == (want, "step") and seen["after"] == user_value, seen
+        assert seen["heads"] == (4, 2, 8) and seen["heads_after"] is None, seen  # (the model's, inside only)
