@@ -3,8 +3,8 @@ one balancing the work alone (dtcp.api.placed_for_the_fastest_strategy), over be
 long-tailed batches, and what the choice costs the host per new batch. No GPU: the cost model's
 predictions for calls on CUDA (meta tensors), the placements' work from the plans.
 
-For each batch (Pareto and log-normal mixes, seeds, lengths, N), with dtcp.config.attention_heads
-= --heads:
+For each batch (Pareto and log-normal mixes, seeds, lengths, N), with dtcp.config.auto_placement
+= "fastest" and attention_heads = --heads:
 
   ring imb   the busiest rank's causal work over the mean's in Balanced's placement for the ring
   work imb   the same in the work-balanced placement (Balanced(min_chunk=256, hidden_steps=N))
@@ -13,7 +13,7 @@ For each batch (Pareto and log-normal mixes, seeds, lengths, N), with dtcp.confi
              weighed only above 1.05x)
   chosen     what resolve_auto returns
   host ms    resolve_auto's time for this batch and the placement's search that sharding with it
-             makes, with the choice and without (attention_heads None), each the best of --reps,
+             makes, with the choice and without (auto_placement "ring"), each the best of --reps,
              placements' caches cleared before each
 
     python benchmarks/bench_auto_placement.py                       # 32/8 heads of 128, N = 2-16
@@ -51,7 +51,7 @@ def _host_ms(cu: torch.Tensor, s: int, n: int, heads, reps: int) -> float:
     best = float("inf")
     for _ in range(reps):
         _placement.cache_clear()
-        with dtcp.config.override(attention_heads=heads):
+        with dtcp.config.override(attention_heads=heads, auto_placement="fastest" if heads else "ring"):
             t0 = time.perf_counter()
             layout = resolve_auto(dtcp.Auto(), cu, s, n)
             layout.rank_work(n)
@@ -63,7 +63,7 @@ def point(mix: str, seed: int, s: int, n: int, heads, reps: int) -> dict:
     docs = B.pad_last((B.pareto_docs if mix == "pareto" else B.lognormal_docs)(s, seed, 1.0), n)
     cu = torch.tensor([0] + list(itertools.accumulate(docs)), dtype=torch.int32)
     ring = dtcp.Balanced(docs)
-    with dtcp.config.override(attention_heads=heads):
+    with dtcp.config.override(attention_heads=heads, auto_placement="fastest"):
         chosen = resolve_auto(dtcp.Auto(), cu, s, n)
         ring_s = _predicted_call_s(ring, n, 1, "auto")
         rec = dict(mix=mix, seed=seed, seq_len=s, world_size=n, documents=len(docs), ring_imbalance=_imbalance(ring, n),

@@ -272,14 +272,19 @@ def resolve_auto(layout: Auto, cu_seqlens, seq_len: Optional[int], world_size: i
     """layout="auto" for one batch of `batch` rows of `seq_len` tokens over `world_size` ranks:
     `Auto.resolve` with the ring steps the cost objective in force hides (`hidden_ring_steps`;
     none without documents, or for a length the ranks do not share evenly, which the sharding
-    refuses anyway). Where `dtcp.config.attention_heads` is set, a Balanced batch is placed for
-    the strategy predicted fastest on it (`placed_for_the_fastest_strategy`; `strategy`: the
-    calls' own, "auto" or one strategy). Where `context_parallel` and the integrations resolve
-    each batch."""
+    refuses anyway). With `dtcp.config.auto_placement = "fastest"` and `attention_heads` set, a
+    Balanced batch is placed for the strategy predicted fastest on it
+    (`placed_for_the_fastest_strategy`; `strategy`: the calls' own, "auto" or one strategy).
+    Where `context_parallel` and the integrations resolve each batch."""
     even = bool(seq_len) and seq_len % world_size == 0
     hidden = hidden_ring_steps(seq_len // world_size, world_size, batch) if cu_seqlens is not None and even else 0
     resolved = layout.resolve(cu_seqlens, seq_len, hidden_steps=hidden)
-    if isinstance(resolved, Balanced) and config.attention_heads is not None and even and world_size > 1:
+    if isinstance(resolved, Balanced) and config.auto_placement == "fastest" and even and world_size > 1:
+        if config.attention_heads is None:
+            raise ValueError("dtcp.config.auto_placement='fastest' places each batch for the calls the cost model "
+                             "predicts on it: set dtcp.config.attention_heads = (query heads, key/value heads, head "
+                             "dim) of the model's attention (the Trainer, transformers and torchtitan integrations "
+                             "set it from the model), or use auto_placement='ring'")
         return placed_for_the_fastest_strategy(resolved, world_size, batch, strategy)
     return resolved
 

@@ -21,7 +21,8 @@ nothing reads the environment or a module global on the hot path.
 | `cost_machine` | None | | the cost model's constants (a `dtcp.plan.Machine`, e.g. from `dtcp.calibrate()`); None: the shipped H200 NVLink figures |
 | `cost_objective` | "auto" | `DTCP_COST_OBJECTIVE` | what `strategy="auto"` minimizes: "call" (an isolated call's time, the host's time to queue it included), "device" (its device time alone), "step" (its share of a training step: the larger of its device time and the host time that the rest of its layer, `layer_flops_per_token`, does not cover), or "auto" ("step" where `layer_flops_per_token` is set, else "call") |
 | `layer_flops_per_token` | None | `DTCP_LAYER_FLOPS_PER_TOKEN` | the device FLOPs per token of the rest of the layer around each attention call, forward + backward (6 x the layer's matmul parameters): what the "step" objective weighs the call's host time against. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset |
-| `attention_heads` | None | `DTCP_ATTENTION_HEADS` | (query heads, key/value heads, head dim) of the model's attention calls, e.g. `(32, 8, 128)` (`"32,8,128"`): with it, `layout="auto"` places each packed batch for the strategy the cost model predicts fastest on it: `Balanced`'s placement for the ring (ring steps weighed), or one that balances the work alone (`Balanced(min_chunk=128, hidden_steps=N)`) where the all-gather or Ulysses on it is predicted at least 10% faster. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset. None: the ring's placement |
+| `auto_placement` | "ring" | `DTCP_AUTO_PLACEMENT` | what `layout="auto"` places a packed batch for: "ring", `Balanced`'s placement (its ring steps weighed against the work they save); "fastest", also the placement balancing the work alone (`Balanced(min_chunk=256, hidden_steps=N)`), taken where the strategy the cost model picks on it is predicted at least 10% faster than its pick on the ring's (needs `attention_heads`; dtcp.api.placed_for_the_fastest_strategy). "ring" stays the default until "fastest" is measured on GPUs |
+| `attention_heads` | None | `DTCP_ATTENTION_HEADS` | (query heads, key/value heads, head dim) of the model's attention calls, e.g. `(32, 8, 128)` (`"32,8,128"`): the calls `auto_placement="fastest"` predicts. The Trainer, HF and torchtitan integrations set it from the model's config inside their blocks when unset |
 | `eager_fast_path` | True | | plain eager calls skip the custom op (same results, less host time) |
 | `traced_allgather` | True | | compiled calls trace the all-gather schedule into the graph where it applies |
 | `one_launch` | True | | ... and run a zigzag rank's tasks as one varlen flash launch |
@@ -43,6 +44,7 @@ _CHOICES = {
     "transport": ("auto", "ce", "nccl"),
     "merge": ("auto", "triton", "torch"),
     "cost_objective": ("auto", "call", "device", "step"),
+    "auto_placement": ("ring", "fastest"),
 }
 
 
@@ -78,6 +80,7 @@ _ENVIRONMENT = (
     ("DTCP_COST_OBJECTIVE", "cost_objective", _parse_choice),
     ("DTCP_LAYER_FLOPS_PER_TOKEN", "layer_flops_per_token", float),
     ("DTCP_ATTENTION_HEADS", "attention_heads", _parse_ints),
+    ("DTCP_AUTO_PLACEMENT", "auto_placement", _parse_choice),
     ("DTCP_RING_STEPS_PER_LAUNCH", "ring_steps_per_launch", _parse_steps),
     ("DTCP_KERNEL_REPLAY", "kernel_replay", _parse_bool),
     ("DTCP_ALLGATHER_EXCHANGE", "allgather_exchange", _parse_bool),
@@ -108,6 +111,7 @@ class Config:
     cost_objective: str = "auto"
     layer_flops_per_token: Optional[float] = None
     attention_heads: Optional[tuple] = None
+    auto_placement: str = "ring"
 
     def cost_objective_in_force(self) -> str:
         """The objective `strategy="auto"` minimizes: cost_objective, with "auto" resolved ("step"

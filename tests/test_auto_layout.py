@@ -116,16 +116,18 @@ def _bench_docs(name, n):
     ("pareto-s1", 8, "balanced"),
 ])
 def test_auto_places_for_the_strategy_predicted_fastest(name, n, want):
-    """With dtcp.config.attention_heads (32/8 heads of 128, an 8B-class model's), layout="auto"
-    weighs Balanced's placement for the ring against the one balancing the work alone
+    """With dtcp.config.auto_placement = "fastest" and attention_heads (32/8 heads of 128, an
+    8B-class model's), layout="auto" weighs Balanced's placement for the ring against the one
+    balancing the work alone
     (min_chunk 256, every step hidden), each under the strategy the cost model picks on it (the
     shipped H200 constants), and takes the latter where it is predicted 10% faster."""
     from dtcp.api import placed_for_the_fastest_strategy, resolve_auto
 
     docs = _bench_docs(name, n)
     cu = torch.tensor(_cu(docs), dtype=torch.int32)
-    assert resolve_auto(dtcp.Auto(), cu, sum(docs), n) == dtcp.Balanced(docs)  # (no heads: the ring's, as before)
-    with dtcp.config.override(attention_heads=(32, 8, 128), cost_objective="call"):
+    with dtcp.config.override(attention_heads=(32, 8, 128)):  # (the default, auto_placement="ring": as before)
+        assert resolve_auto(dtcp.Auto(), cu, sum(docs), n) == dtcp.Balanced(docs)
+    with dtcp.config.override(attention_heads=(32, 8, 128), cost_objective="call", auto_placement="fastest"):
         chosen = resolve_auto(dtcp.Auto(), cu, sum(docs), n)
         assert chosen.op_spec() == want, chosen
         ring = dtcp.Balanced(docs)
@@ -143,11 +145,20 @@ def test_auto_placement_choice_leaves_other_batches_as_they_were():
     """Zigzag batches, one rank, and lengths the ranks do not share stay as Auto.resolve gives them."""
     from dtcp.api import resolve_auto
 
-    with dtcp.config.override(attention_heads=(32, 8, 128)):
+    with dtcp.config.override(attention_heads=(32, 8, 128), auto_placement="fastest"):
         assert resolve_auto(dtcp.Auto(), None, 4096, 16) is dtcp.Auto().resolve(None)
         assert resolve_auto(dtcp.Auto(), [0, 4096], 4096, 16) == dtcp.Zigzag()
         assert resolve_auto(dtcp.Auto(), [0, 100, 4096], 4096, 1) == dtcp.Balanced((100, 3996))
         assert resolve_auto(dtcp.Auto(), [0, 100, 4097], 4097, 16) == dtcp.Balanced((100, 3997))
+
+
+def test_fastest_placement_without_heads_names_the_setting():
+    from dtcp.api import resolve_auto
+
+    with dtcp.config.override(auto_placement="fastest"):
+        with pytest.raises(ValueError, match=r"set dtcp.config.attention_heads = \(query heads"):
+            resolve_auto(dtcp.Auto(), [0, 100, 4096], 4096, 16)
+        assert resolve_auto(dtcp.Auto(), None, 4096, 16) == dtcp.Zigzag()  # (no documents: nothing to place)
 
 
 def test_attention_heads_checks_its_value():
@@ -261,7 +272,8 @@ def context_parallel_auto(docs, b, objective="auto", min_chunk=1, heads=None):
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     kwargs = {} if cu is None else {"cu_seqlens": cu}
-    placing = {} if heads is None else {"attention_heads": heads, "cost_machine": kernel_bound_machine()}
+    placing = {} if heads is None else {"attention_heads": heads, "cost_machine": kernel_bound_machine(),
+                                        "auto_placement": "fastest"}
     with dtcp.config.override(cost_objective=objective, **placing), \
             dtcp.context_parallel(mesh, [xl], [1], layout=dtcp.Auto(min_chunk=min_chunk), **kwargs) as cp:
         out = layer(xl, wl)
@@ -320,8 +332,8 @@ def test_context_parallel_auto_places_for_the_device_objective():
     ((2, (17, 8, 39), "balanced@4")),                           # 1.01x: nothing to gain, the ring's
 ])
 def test_context_parallel_auto_places_for_the_fastest_strategy_exact(n, docs, want):
-    """With dtcp.config.attention_heads set (and a cost machine whose kernels dominate these tiny
-    calls), layout="auto" shards a batch whose ring placement leaves a rank well above the mean's
+    """With dtcp.config.auto_placement = "fastest" and attention_heads (and a cost machine whose
+    kernels dominate these tiny calls), layout="auto" shards a batch whose ring placement leaves a rank well above the mean's
     work with the placement balancing the work alone (every step hidden); exact either way."""
     # (heads given as 4 of 8 dims: what FA4 serves on the GPU the cost machine describes, where 4
     # dims would be predicted for the math kernel, which computes whole blocks)
@@ -333,7 +345,7 @@ def test_context_parallel_auto_places_for_the_fastest_strategy_exact(n, docs, wa
 
 
 def context_parallel_heads_on_rank_0(docs):
-    """dtcp.config.attention_heads on rank 0 only: its placement differs from the others'."""
+    """auto_placement="fastest" (with attention_heads) on rank 0 only: its placement differs from the others'."""
     try:
         context_parallel_auto(docs, 1, "call", 4, (4, 4, 8) if dist.get_rank() == 0 else None)
     except Exception as e:  # noqa: BLE001
@@ -363,7 +375,8 @@ HIDDEN_MIXES = ((17, 8, 39), (33, 21, 10), (19, 10, 30, 1, 4), (31, 33), (17, 10
 FASTEST_MIXES = ((17, 10, 5, 32), (17, 8, 39), (19, 5, 3, 5, 32), (33, 21, 10), (9, 9, 14, 32), (31, 33))
 
 
-def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="auto", machine=None):
+def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="auto", machine=None,
+                                         placement="ring"):
     """A tiny Llama, attn_implementation="dtcp", compiled once (aot_eager, fullgraph): each step a
     packed row of a new document mix (another number of documents, the same length) through the
     integration's default layout ("auto" -> Balanced), under `objective`
@@ -397,7 +410,7 @@ def hf_compiled_new_documents_every_step(mixes=MIXES, objective="auto", layout="
         grads = []
         for net, runner in ((eager, eager), (model, compiled)):
             net.zero_grad()
-            with dtcp.config.override(cost_objective=objective, cost_machine=machine), \
+            with dtcp.config.override(cost_objective=objective, cost_machine=machine, auto_placement=placement), \
                     dtcp_hf.context_parallel(net, mesh, batch, layout=layout) as cp:
                 out = runner(**cp.inputs)
                 out.loss.backward()
@@ -436,15 +449,16 @@ def test_transformers_auto_compiled_for_the_device_objective():
 
 
 def test_transformers_auto_compiled_places_for_the_fastest_strategy():
-    """The integration gives layout="auto" the model's heads (4/2 of 8: dtcp.config.attention_heads
-    inside its block), so that each batch is placed for the strategy predicted fastest on it: with
+    """Under auto_placement="fastest" the integration gives layout="auto" the model's heads (4/2 of
+    8: dtcp.config.attention_heads inside its block), so that each batch is placed for the
+    strategy predicted fastest on it: with
     the kernel-bound cost machine, the ring's placement or the one balancing the work alone, in
     turn. Compiled (aot_eager, fullgraph): equal to eager on every step, no graph break, and one
     compile per placement kind (the attention calls take one Balanced without documents per kind),
     not one per batch."""
     pytest.importorskip("transformers")
     for r in run_ranks(2, hf_compiled_new_documents_every_step, FASTEST_MIXES, "call", dtcp.Auto(min_chunk=4),
-                       kernel_bound_machine(), timeout=400):
+                       kernel_bound_machine(), "fastest", timeout=400):
         assert r["specs"] == ["balanced@4+2", "balanced@4", "balanced@4+2", "balanced@4", "balanced@4+2",
                               "balanced@4"], r
         assert r["graph_breaks"] == 0 and r["max_err"] < 1e-12, r

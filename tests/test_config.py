@@ -20,6 +20,7 @@ GOOD = {
     "DTCP_KERNEL_REPLAY": ("off", "kernel_replay", False),
     "DTCP_ALLGATHER_EXCHANGE": ("0", "allgather_exchange", False),
     "DTCP_ATTENTION_HEADS": ("32, 8,128", "attention_heads", (32, 8, 128)),
+    "DTCP_AUTO_PLACEMENT": ("Fastest", "auto_placement", "fastest"),
 }
 BAD = {
     "DTCP_TIMEOUT": ("soon", "could not convert"),
@@ -34,6 +35,7 @@ BAD = {
     "DTCP_KERNEL_REPLAY": ("sometimes", "use 1 or 0"),
     "DTCP_ALLGATHER_EXCHANGE": ("partly", "use 1 or 0"),
     "DTCP_ATTENTION_HEADS": ("32,5,128", "query heads a multiple of the key/value heads"),
+    "DTCP_AUTO_PLACEMENT": ("best", "must be one of"),
 }
 
 

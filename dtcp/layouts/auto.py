@@ -47,8 +47,9 @@ class Auto(Layout):
     def by_boundaries(self, resolved: Balanced) -> Balanced:
         """The Balanced without documents that gives the placement of `resolved` (a batch this Auto
         resolved to Balanced) when the call gets the batch's cu_seqlens: the same object for every
-        batch resolved with the same options (min_chunk, hidden_steps): at most two a run, the
-        ring's placement and the one balancing work alone (`dtcp.api.resolve_auto`)."""
+        batch resolved with the same options (min_chunk, hidden_steps): one a run, two under
+        `dtcp.config.auto_placement = "fastest"` (the ring's placement and the one balancing the
+        work alone: `dtcp.api.resolve_auto`)."""
         options = (resolved.min_chunk, resolved.hidden_steps)
         if options not in self._by_boundaries:
             self._by_boundaries[options] = Balanced(min_chunk=options[0], hidden_steps=options[1])
@@ -58,14 +59,13 @@ class Auto(Layout):
         return 2 * world_size  # Zigzag's; Balanced needs only N
 
     def resolve(self, cu_seqlens: Union[torch.Tensor, Sequence[int], None], seq_len: Optional[int] = None,
-                hidden_steps: int = 0, min_chunk: Optional[int] = None) -> Layout:
+                hidden_steps: int = 0) -> Layout:
         """The layout for a batch whose rows hold `seq_len` tokens each and whose document
         boundaries are `cu_seqlens` (None: no documents). Boundaries that end at `seq_len` are
         documents shared by every row: Balanced when two or more are non-empty. Boundaries over the
         rows flattened (ending at B * seq_len: each row its own documents) get Zigzag, as one
         placement cannot balance every row. `seq_len` None: the boundaries' last value.
-        `hidden_steps`: Balanced's (the ring steps whose host time other device work hides);
-        `min_chunk`: Balanced's, where not this Auto's own."""
+        `hidden_steps`: Balanced's (the ring steps whose host time other device work hides)."""
         if cu_seqlens is None:
             return _ZIGZAG
         values = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
@@ -73,7 +73,7 @@ class Auto(Layout):
             return _ZIGZAG
         if sum(1 for a, b in zip(values, values[1:]) if b > a) < 2:
             return _ZIGZAG  # one document: Balanced would cut it zigzag-style anyway
-        return Balanced.from_cu_seqlens(values, min_chunk=min_chunk or self.min_chunk, hidden_steps=hidden_steps)
+        return Balanced.from_cu_seqlens(values, min_chunk=self.min_chunk, hidden_steps=hidden_steps)
 
     def runs(self, seq_len, world_size, rank):
         raise ValueError("layout='auto' is chosen per batch from its documents (dtcp.Auto().resolve(cu_seqlens, "

@@ -258,7 +258,7 @@ def context_parallel(
     if error is None and batch is not None:
         try:
             # (under the model's layer work and heads: Auto's placement weighs the ring steps it
-            # hides, and places for the strategy predicted fastest on the batch)
+            # hides, and under auto_placement="fastest" places for the strategy predicted fastest)
             with dtcp_config.layer_work(layer_flops, heads):
                 inputs, error, fields, batch_layout = prepare_batch(batch, pg, layout, model, strategy)
             if error is None:
