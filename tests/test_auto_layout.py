@@ -139,6 +139,8 @@ def test_auto_places_for_the_strategy_predicted_fastest(name, n, want):
             # one strategy asked for: the ring on the work-balanced placement pays its steps
             assert placed_for_the_fastest_strategy(ring, n, strategy="ring") == ring
             assert placed_for_the_fastest_strategy(ring, n, strategy="allgather") == chosen
+            # hybrid (context_parallel on a 2-D mesh): not predicted here, the ring's placement
+            assert placed_for_the_fastest_strategy(ring, n, strategy="hybrid") == ring
 
 
 def test_auto_placement_choice_leaves_other_batches_as_they_were():

@@ -145,7 +145,7 @@ def context_parallel_unshard(mesh, buffers: Sequence[torch.Tensor], seq_dims: Se
 
 
 def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int], world_size: int,
-                      batch: int) -> tuple[Layout, dict]:
+                      batch: int, two_dims: bool = False) -> tuple[Layout, dict]:
     """layout="auto": Balanced for the documents of ``cu_seqlens`` (shared by every row of
     `seq_len` tokens), with the ring steps the cost objective in force hides
     (`dtcp.hidden_ring_steps`), else Zigzag (dtcp/layouts/auto.py). A Balanced layout carries its
@@ -153,7 +153,9 @@ def _documents_layout(layout: Layout, ring_kwargs: dict, seq_len: Optional[int],
     take them from the layout."""
     cu = ring_kwargs.get("cu_seqlens")
     if isinstance(layout, Auto):
-        layout = resolve_auto(layout, cu, seq_len, world_size, batch, ring_kwargs.get("strategy", "auto"))
+        # (a 2-D mesh runs hybrid, which the placement choice does not predict: the ring's placement)
+        strategy = "hybrid" if two_dims else ring_kwargs.get("strategy", "auto")
+        layout = resolve_auto(layout, cu, seq_len, world_size, batch, strategy)
     if isinstance(layout, Balanced) and layout.doc_lens is None:  # "balanced": the placement of cu_seqlens
         if cu is None:
             raise ValueError("layout='balanced' (dtcp.Balanced()) places the documents of cu_seqlens: pass "
@@ -326,7 +328,8 @@ def context_parallel(
     n = cp_size_and_rank(pg)[0]
     seq_len = buffers[0].shape[seq_dims[0]] if buffers else None
     rows = buffers[0].shape[0] if buffers and seq_dims[0] > 0 else 1  # (B, S, ...) buffers: B rows
-    layout, ring_kwargs = _documents_layout(layout, ring_kwargs, seq_len, n, rows)
+    layout, ring_kwargs = _documents_layout(layout, ring_kwargs, seq_len, n, rows,
+                                            two_dims=isinstance(mesh_dim, (tuple, list)))
     no_restore = list(no_restore_buffers or ())
     for b in no_restore:
         if not any(b is c for c in buffers):
