@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_split as B  # noqa: E402
 import dtcp  # noqa: E402
-from dtcp.api import WORK_IMBALANCE, WORK_MIN_CHUNK, _predicted_call_s, resolve_auto  # noqa: E402
+from dtcp.api import WORK_IMBALANCE, _predicted_call_s, resolve_auto, work_balanced  # noqa: E402
 from dtcp.layouts.balanced import _placement  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def point(mix: str, seed: int, s: int, n: int, heads, reps: int) -> dict:
         rec = dict(mix=mix, seed=seed, seq_len=s, world_size=n, documents=len(docs), ring_imbalance=_imbalance(ring, n),
                    ring_ms=ring_s * 1e3, chosen=chosen.op_spec())
         if rec["ring_imbalance"] > 1 + WORK_IMBALANCE:
-            work = dtcp.Balanced(docs, min_chunk=WORK_MIN_CHUNK, hidden_steps=n)
+            work = work_balanced(ring, n)
             rec.update(work_imbalance=_imbalance(work, n), work_ms=_predicted_call_s(work, n, 1, "auto") * 1e3)
     rec["host_ms"] = _host_ms(cu, s, n, heads, reps)
     rec["host_ms_without"] = _host_ms(cu, s, n, None, reps)

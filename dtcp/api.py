@@ -316,17 +316,23 @@ def placed_for_the_fastest_strategy(ring_placed: Balanced, world_size: int, batc
     Ulysses' whole-sequence kernels do not take; the all-gather over documents moves only the
     keys other ranks read, few on a placement that cuts few documents. Deterministic: every rank
     places alike (the op agrees on the placement's spec, and raises on every rank otherwise)."""
-    docs = ring_placed.doc_lens
     work = ring_placed.rank_work(world_size)
     mean = sum(work) / world_size
     if not mean or max(work) <= (1 + WORK_IMBALANCE) * mean:
         return ring_placed
-    work_placed = Balanced(docs, min_chunk=min(ring_placed.min_chunk, WORK_MIN_CHUNK), hidden_steps=world_size)
+    work_placed = work_balanced(ring_placed, world_size)
     if max(work_placed.rank_work(world_size)) >= max(work):  # (the same placement, or no better balanced)
         return ring_placed
     ring_s = _predicted_call_s(ring_placed, world_size, batch, strategy)
     work_s = _predicted_call_s(work_placed, world_size, batch, strategy)
     return work_placed if work_s < (1 - WORK_GAIN) * ring_s else ring_placed
+
+
+def work_balanced(ring_placed: Balanced, world_size: int) -> Balanced:
+    """The placement of `ring_placed`'s documents that balances the work alone (every ring step
+    hidden, chunks down to WORK_MIN_CHUNK): what placed_for_the_fastest_strategy weighs."""
+    return Balanced(ring_placed.doc_lens, min_chunk=min(ring_placed.min_chunk, WORK_MIN_CHUNK),
+                    hidden_steps=world_size)
 
 
 def _predicted_call_s(placed: Balanced, world_size: int, batch: int, strategy: str) -> float:

@@ -50,6 +50,13 @@ def _rope_types(params) -> list[str]:
     return []
 
 
+def text_config(model: torch.nn.Module):
+    """The model's (text) config: a multimodal config's text part, else the config itself (None
+    without one)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
     """The FLOPs per token of one decoder layer's matmuls, forward + backward, from the model's
     (text) config: what dtcp's "step" cost objective weighs each attention call's host time
@@ -58,8 +65,7 @@ def layer_flops_per_token(model: torch.nn.Module) -> Optional[float]:
     ``intermediate_size``) and shared experts (``shared_expert_intermediate_size``, or
     ``n_shared_experts`` x ``moe_intermediate_size``); MLPs are taken as gated (Llama's). None
     when the config lacks the sizes."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
     ffn = getattr(text, "intermediate_size", None)
     experts = getattr(text, "num_experts_per_tok", None)
@@ -82,8 +88,7 @@ def attention_heads(model: torch.nn.Module) -> Optional[tuple[int, int, int]]:
     """(query heads, key/value heads, head dim) of the model's attention, from its (text) config:
     what `layout="auto"` places a packed batch for (dtcp.config.attention_heads). None when the
     config lacks them."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
     if not (isinstance(heads, int) and heads > 0):
         return None

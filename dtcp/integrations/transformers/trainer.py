@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...layouts import Layout, layout_from_spec
-from .block import context_parallel
+from .block import context_parallel, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,7 @@ def _as_config(value) -> Optional[ContextParallelConfig]:
 
 
 def _router_aux_loss(model) -> bool:
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     return bool(getattr(text, "output_router_logits", False)) and bool(getattr(text, "router_aux_loss_coef", 0.0))
 
 
